@@ -1,0 +1,29 @@
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test model accuracy clean
+
+setup: $(STAMP)
+
+# torch is installed first, alone, so the pinned CPU build on local disk is taken and no
+# other requirement can pull a CUDA build in.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+model: setup
+	$(PY) -m models.train_tiny --out models/tiny-hybrid
+
+accuracy: setup
+	$(PY) -m bench.accuracy --mode local
+
+clean:
+	rm -rf $(VENV)
