@@ -1,0 +1,149 @@
+"""Load and save models in Hugging Face's on-disk format.
+
+Reads `config.json`, `model.safetensors` (or a sharded index), `tokenizer.json` through the
+`tokenizers` library, and `generation_config.json` and a chat template when present.
+Every way a directory can be unusable is a `ModelLoadError` naming the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from models.config import ConfigError, ModelConfig
+from models.nemotron_h import NemotronHForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
+
+_CLASSES: dict[str, type[nn.Module]] = {"nemotron_h": NemotronHForCausalLM, "qwen3": Qwen3ForCausalLM}
+# Older NemotronH checkpoints name the backbone `backbone.`; transformers 5 names it `model.`.
+_ALIASES = (("backbone.", "model."),)
+
+
+class ModelLoadError(ValueError):
+    """The model directory cannot be served; the message names the file, field or tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_id: int | None
+    generation: dict[str, Any] | None
+    chat_template: str | None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing file {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    try:
+        return ModelConfig.from_hf_dict(_read_json(path))
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (model_dir / s).exists()]
+        if missing:
+            raise ModelLoadError(f"missing weight shard(s) {missing} listed in {index}")
+        return [model_dir / s for s in shards]
+    raise ModelLoadError(f"missing file {single} (and no model.safetensors.index.json)")
+
+
+def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors under our parameter names, and each one's name in the checkpoint (for errors)."""
+    tensors: dict[str, torch.Tensor] = {}
+    original: dict[str, str] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                key = name
+                for old, new in _ALIASES:
+                    if key.startswith(old):
+                        key = new + key[len(old):]
+                tensors[key] = f.get_tensor(name)
+                original[key] = name
+    return tensors, original
+
+
+def _assign(model: nn.Module, weights: dict[str, torch.Tensor], original: dict[str, str], tied: bool) -> None:
+    expected = model.state_dict()
+    if tied:
+        weights.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has unknown tensor(s) {[original[k] for k in unexpected[:5]]}")
+    for name, t in weights.items():
+        if t.shape != expected[name].shape:
+            raise ModelLoadError(
+                f"tensor {original[name]} has shape {tuple(t.shape)}, the config implies {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(weights, strict=not tied)
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    cfg = model_dir / "tokenizer_config.json"
+    return _read_json(cfg).get("chat_template") if cfg.exists() else None
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+    """Build the model for `config.json`, fill it from safetensors, cast to `dtype` (default:
+    the checkpoint's dtype) and move it to `device`."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    cfg = load_config(path)
+    tok_path = path / "tokenizer.json"
+    if not tok_path.exists():
+        raise ModelLoadError(f"missing file {tok_path}")
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    model = _CLASSES[cfg.architecture](cfg)
+    _assign(model, *_read_weights(path), cfg.tie_word_embeddings)
+    model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
+    gen_path = path / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else None
+    eos = cfg.eos_token_id
+    if generation and generation.get("eos_token_id") is not None:
+        e = generation["eos_token_id"]
+        eos = e[0] if isinstance(e, list) else e
+    return LoadedModel(model, cfg, tokenizer, eos, generation, _chat_template(path))
+
+
+def save_model(model: nn.Module, hf_config: dict[str, Any], out_dir: str | Path) -> None:
+    """Write `config.json` and `model.safetensors` (tensors in their current dtype)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if hf_config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

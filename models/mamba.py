@@ -1,0 +1,163 @@
+"""Mamba2 mixer with its state kept in cache slots.
+
+A request's recurrent state is a conv state (the last `conv_kernel - 1` inputs of the
+causal convolution) and an SSM state `[heads, head_dim, state]`, both fp32, in the page
+its Mamba group allocated. Mamba pages are never zeroed (DESIGN.md §1): the first chunk of
+a request starts from zeros *without reading* its slot, and every step overwrites the slot.
+Prefill chunks run the chunked SSD scan per request; decode tokens run one vectorised step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.batch import ForwardBatch
+from models.config import MambaSpec
+from models.layers import GatedRMSNorm
+
+
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T] with out[i, j] = sum(x[j+1..i]) for j <= i, -inf above."""
+    t = x.size(-1)
+    x = x[..., None].expand(*x.shape, t)
+    x = x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), -1), 0)
+    s = torch.cumsum(x, dim=-2)
+    return s.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device)), float("-inf"))
+
+
+def chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    chunk: int,
+    initial: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan in fp32. x: [B, T, H, P]; dt: [B, T, H] (already softplus'd and
+    clamped); a, d: [H]; b, c: [B, T, H, N]; initial: [B, H, P, N] or None.
+    Returns y [B, T, H, P] and the final state [B, H, P, N].
+    Padding positions get dt = 0, which neither decays nor feeds the state."""
+    bsz, length, heads, pdim = x.shape
+    pad = (chunk - length % chunk) % chunk
+    x, dt, b, c = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, b, c))
+    residual = x * d[:, None]
+    xd = x * dt[..., None]
+    adt = a * dt
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(bsz, -1, chunk, *t.shape[2:])
+
+    xd, adt, b, c = chunks(xd), chunks(adt), chunks(b), chunks(c)
+    adt = adt.permute(0, 3, 1, 2)  # [B, H, C, L]
+    cum = torch.cumsum(adt, dim=-1)
+    decay = torch.exp(_segment_sum(adt))  # [B, H, C, L, S]
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", c, b, decay, xd)
+    decay_states = torch.exp(cum[..., -1:] - cum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", b, decay_states, xd)
+    start = initial[:, None] if initial is not None else torch.zeros_like(states[:, :1])
+    states = torch.cat([start, states], dim=1)
+    decay_chunk = torch.exp(_segment_sum(F.pad(cum[..., -1], (1, 0))))  # [B, H, C+1, C+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
+    states, final = states[:, :-1], states[:, -1]
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states, torch.exp(cum))
+    y = (y_diag + y_off).reshape(bsz, -1, heads, pdim) + residual
+    return y[:, :length], final
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, spec: MambaSpec, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        inter = spec.intermediate_size
+        self.in_proj = nn.Linear(hidden_size, inter + spec.conv_dim + spec.num_heads, bias=bias)
+        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim,
+                                bias=spec.use_conv_bias, padding=spec.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, spec.num_heads + 1, dtype=torch.float)))
+        self.D = nn.Parameter(torch.ones(spec.num_heads))
+        self.norm = GatedRMSNorm(inter, inter // spec.n_groups, eps)
+        self.out_proj = nn.Linear(inter, hidden_size, bias=bias)
+
+    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        return self.in_proj(h).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        return F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.spec.time_step_min)
+
+    def _ssm_inputs(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split conv output into x [.., H, P] and B, C expanded from groups to heads [.., H, N]."""
+        s = self.spec
+        x, b, c = xbc.split([s.intermediate_size, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
+        rep = s.num_heads // s.n_groups
+        b = b.unflatten(-1, (s.n_groups, s.state_size)).float().repeat_interleave(rep, dim=-2)
+        c = c.unflatten(-1, (s.n_groups, s.state_size)).float().repeat_interleave(rep, dim=-2)
+        return x.unflatten(-1, (s.num_heads, s.head_dim)).float(), b, c
+
+    def _conv(self, xbc: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv over [B, T, C] continuing from state [B, C, K-1]."""
+        k = self.spec.conv_kernel
+        seq = xbc.transpose(1, 2)
+        prev = state.to(seq.dtype) if state is not None else seq.new_zeros((*seq.shape[:2], k - 1))
+        full = torch.cat([prev, seq], dim=-1)
+        out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=self.spec.conv_dim)
+        return F.silu(out).transpose(1, 2), full[..., -(k - 1):]
+
+    def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = self.norm(y.flatten(-2).to(dtype), gate)
+        return self.out_proj(y)
+
+    def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] from an empty state (training and references)."""
+        gate, xbc, dt = self._split(h)
+        xbc, _ = self._conv(xbc, None)
+        x, b, c = self._ssm_inputs(xbc)
+        a = -torch.exp(self.A_log.float())
+        y, _ = chunk_scan(x, self._dt(dt), a, b, c, self.D.float(), self.spec.chunk_size, None)
+        return self._finish(y, gate, h.dtype)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, conv_cache: torch.Tensor,
+                ssm_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
+        gate, xbc, dt = self._split(h)
+        a = -torch.exp(self.A_log.float())
+        y = h.new_empty((h.shape[0], self.spec.num_heads, self.spec.head_dim), dtype=torch.float)
+        decode = batch.decode_reqs
+        if decode:
+            self._decode_step(decode, batch, xbc, dt, a, conv_cache, ssm_cache, slots, y)
+        decode_set = set(decode)
+        for r in range(batch.num_reqs):
+            if r in decode_set:
+                continue
+            lo, hi = batch.query_start[r], batch.query_start[r + 1]
+            slot = slots[r]
+            fresh = batch.num_computed[r] == 0
+            out, conv_state = self._conv(xbc[None, lo:hi], None if fresh else conv_cache[slot][None])
+            x, b, c = self._ssm_inputs(out)
+            init = None if fresh else ssm_cache[slot][None]
+            yr, final = chunk_scan(x, self._dt(dt[None, lo:hi]), a, b, c, self.D.float(), self.spec.chunk_size, init)
+            conv_cache[slot] = conv_state[0].to(conv_cache.dtype)
+            ssm_cache[slot] = final[0]
+            y[lo:hi] = yr[0]
+        return self._finish(y, gate, h.dtype)
+
+    def _decode_step(self, reqs: tuple[int, ...], batch: ForwardBatch, xbc: torch.Tensor, dt: torch.Tensor,
+                     a: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, slots: torch.Tensor,
+                     y: torch.Tensor) -> None:
+        idx = torch.tensor([batch.query_start[r] for r in reqs], device=xbc.device)
+        s = slots[torch.tensor(reqs, device=slots.device)]
+        window = torch.cat([conv_cache[s].to(xbc.dtype), xbc[idx][..., None]], dim=-1)  # [R, C, K]
+        conv_cache[s] = window[..., 1:].to(conv_cache.dtype)
+        out = (window * self.conv1d.weight[:, 0]).sum(-1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias
+        x, b, c = self._ssm_inputs(F.silu(out))
+        step = self._dt(dt[idx])  # [R, H]
+        state = ssm_cache[s] * torch.exp(step * a)[..., None, None]
+        state = state + (step[..., None] * x)[..., None] * b[:, :, None, :]
+        ssm_cache[s] = state
+        y[idx] = torch.einsum("rhpn,rhn->rhp", state, c) + x * self.D.float()[:, None]

@@ -1,0 +1,97 @@
+"""Qwen3 dense decoder: GQA attention with q/k RMSNorm and RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.attention import dense_causal_attention, paged_attention
+from models.batch import ForwardBatch, LayerCache
+from models.config import ModelConfig
+from models.layers import RMSNorm, Rotary
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.rope_theta is not None
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
+        self.rotary = Rotary(self.head_dim, cfg.rope_theta)
+
+    def _qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = h.shape[:-1]
+        q = self.q_norm(self.q_proj(h).view(*shape, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(h).view(*shape, self.kv_heads, self.head_dim))
+        v = self.v_proj(h).view(*shape, self.kv_heads, self.head_dim)
+        return self.rotary(q, positions), self.rotary(k, positions), v
+
+    def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[1], device=h.device)
+        q, k, v = self._qkv(h, positions)
+        return self.o_proj(dense_causal_attention(q, k, v, self.scale).flatten(-2))
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, layer: int) -> torch.Tensor:
+        q, k, v = self._qkv(h, batch.positions)
+        out = paged_attention(q, k, v, cache[0], cache[1], batch, batch.attn[layer], self.scale)
+        return self.o_proj(out.flatten(-2))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        self.self_attn = Qwen3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        self.mlp = Qwen3MLP(cfg)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in cfg.layer_kinds)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h)).float()
+
+    def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
+        h = self.model.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), batch, caches[i], i)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h[batch.logits_indices])).float()
