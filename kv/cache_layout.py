@@ -103,9 +103,10 @@ def allocate_caches(
 ) -> tuple[list[torch.Tensor], dict[int, LayerCache]]:
     """Allocate the byte buffers and build each layer's typed views over them.
 
-    Memory is left uninitialised on purpose: whatever a page held before is what a newly
-    allocated block holds, as on a real device."""
-    buffers = [torch.empty((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device)
+    Memory starts zeroed, so a dense model's pages only ever hold K/V of one dtype; in a
+    hybrid model a page keeps whatever its last owner left, which is what zero-on-allocate
+    is for."""
+    buffers = [torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device)
                for _ in layout.buffers]
     kinds = {layer: g.kind for g in layout.groups for layer in g.layer_ids}
     views: dict[int, LayerCache] = {}

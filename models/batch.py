@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]
 """Attention: (K, V), each [num_blocks, block_size, kv_heads, head_dim] in the cache dtype.
@@ -26,8 +26,12 @@ class CacheGroup:
     """Layers that share one block table: the i-th block of a request means the same page
     index for every layer of the group."""
 
-    kind: str  # "attention" or "mamba"
+    kind: Literal["attention", "mamba"]
     layer_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("attention", "mamba"):
+            raise ValueError(f"unknown cache group kind {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from kv.cache_layout import allocate_caches, plan_layout
 from models.batch import SeqChunk, build_forward_batch
 from models.generate import greedy_generate
-from models.loader import ModelLoadError, load_model
+from models.loader import load_model
 
 torch.manual_seed(0)
 PROMPTS = [torch.randint(2, 90, (n,)).tolist() for n in (37, 5, 64, 18)]

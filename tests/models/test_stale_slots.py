@@ -3,7 +3,6 @@ an allocated block poisons the output unless the block was zeroed first."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kv.cache_layout import allocate_caches, plan_layout

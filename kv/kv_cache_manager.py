@@ -1,0 +1,266 @@
+"""The scheduler's view of KV memory: block tables for every layer group over one pool,
+the prefix cache, and the list of fresh attention blocks the workers must zero.
+
+Zero bookkeeping (DESIGN.md §1): a page may have held fp32 Mamba state before it is
+handed to an attention group, and stale bits can read as NaN, so every block newly
+taken from the pool for an attention group is recorded and drained each step by
+`take_new_block_ids`. The scheduler removes from that list the blocks a remote KV load
+will fill (`get_zeroing_block_ids_in_range`), since zeroing queued behind a running
+forward could land after the transfer and wipe it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from kv.block_hash import extend_block_hashes
+from kv.block_pool import BlockPool, KVBlock
+from kv.single_type_manager import FullAttentionManager, MambaManager, SingleTypeManager
+from models.batch import CacheGroup
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        groups: Sequence[CacheGroup],
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+    ) -> None:
+        if not groups:
+            raise ValueError("at least one KV cache group is required")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.groups = tuple(groups)
+        self.block_size = block_size
+        self._has_mamba = any(g.kind == "mamba" for g in self.groups)
+        # A hit would need the Mamba state at the hit position, which is not kept, so
+        # a hybrid model recomputes every prompt.
+        if enable_prefix_caching and self._has_mamba:
+            logger.info("prefix caching disabled: the model has Mamba layer groups")
+            enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.managers: tuple[SingleTypeManager, ...] = tuple(
+            (FullAttentionManager if g.kind == "attention" else MambaManager)(
+                self.pool, block_size, group_id
+            )
+            for group_id, g in enumerate(self.groups)
+        )
+        # Fresh attention block ids awaiting zeroing -> owning request, in allocation
+        # order (a dict keeps order and refuses duplicates).
+        self._pending_zero: dict[int, str] = {}
+        # Full-block hashes per request, extended as the request grows.
+        self._req_hashes: dict[str, list[bytes]] = {}
+        # Prefix-hit token count found by get_computed_blocks, for allocate_slots.
+        self._pending_hits: dict[str, int] = {}
+
+    # -- properties -------------------------------------------------------------
+
+    @property
+    def needs_zeroing(self) -> bool:
+        """Only hybrid models share pages between Mamba state and attention K/V; a
+        dense model's pages only ever held K/V of the same dtype, so never NaN bits."""
+        return self._has_mamba
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.managers[0].req_to_blocks)
+
+    def _attention(self) -> list[FullAttentionManager]:
+        return [m for m in self.managers if isinstance(m, FullAttentionManager)]
+
+    # -- allocation ---------------------------------------------------------------
+
+    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` found in the prefix cache (whole blocks, all groups).
+
+        Never the whole prompt: the last token must run through the model to produce
+        logits, so the hit stops at the last block boundary strictly below the length.
+        The hit is remembered for the next `allocate_slots` of this request; call that
+        before any other allocation could evict the hit blocks.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        if req_id in self.managers[0].req_to_blocks:
+            raise ValueError(f"request {req_id} already owns blocks")
+        hashes = extend_block_hashes([], token_ids, self.block_size)
+        self._req_hashes[req_id] = hashes
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        num_hit = min(len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention())
+        self._pending_hits[req_id] = num_hit * self.block_size
+        return num_hit * self.block_size
+
+    def allocate_slots(
+        self, req_id: str, num_tokens_total: int, num_new_computed_tokens: int = 0
+    ) -> list[int] | None:
+        """Make `req_id` own blocks for `num_tokens_total` tokens in every group.
+
+        `num_new_computed_tokens` is the prefix hit just returned by
+        `get_computed_blocks` (0 to take none); it must be block aligned. Returns the
+        ids newly taken from the pool (all groups, group order; prefix hits excluded,
+        use `get_block_ids` for whole tables), or None, changing nothing, when the pool
+        cannot satisfy the request.
+        """
+        if num_tokens_total < num_new_computed_tokens:
+            raise ValueError(
+                f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}"
+            )
+        hits = self._take_hit_blocks(req_id, num_new_computed_tokens)
+        num_new = sum(
+            max(m.get_num_blocks_to_allocate(req_id, num_tokens_total) - len(hits.get(i, ())), 0)
+            for i, m in enumerate(self.managers)
+        )
+        # A hit block sitting in the free queue is counted as free but stops being
+        # free once touched, so it cannot also serve as a new block.
+        num_free_hits = sum(1 for blocks in hits.values() for b in blocks if b.ref_cnt == 0)
+        if num_new + num_free_hits > self.pool.num_free_blocks:
+            return None
+
+        self._pending_hits.pop(req_id, None)
+        for group_id, blocks in hits.items():
+            manager = self.managers[group_id]
+            assert isinstance(manager, FullAttentionManager)
+            manager.add_cached_blocks(req_id, blocks)
+        new_ids: list[int] = []
+        for manager in self.managers:
+            ids = [b.block_id for b in manager.allocate_new_blocks(req_id, num_tokens_total)]
+            if manager.records_new_block_ids:
+                # Prefix hits never get here: their content is valid and must stay.
+                self._pending_zero.update(dict.fromkeys(ids, req_id))
+            new_ids.extend(ids)
+        return new_ids
+
+    def _take_hit_blocks(self, req_id: str, num_tokens: int) -> dict[int, list[KVBlock]]:
+        """The cached blocks covering the first `num_tokens` tokens, per attention
+        group id, looked up again so a hit evicted since `get_computed_blocks` is
+        caught instead of silently reused with someone else's content."""
+        if num_tokens == 0:
+            return {}
+        if num_tokens % self.block_size:
+            raise ValueError(f"prefix hit of {num_tokens} tokens is not block aligned")
+        if num_tokens > self._pending_hits.get(req_id, 0):
+            raise ValueError(
+                f"request {req_id}: prefix hit of {num_tokens} tokens was not found by "
+                "get_computed_blocks"
+            )
+        hashes = self._req_hashes[req_id][: num_tokens // self.block_size]
+        hits: dict[int, list[KVBlock]] = {}
+        for manager in self._attention():
+            blocks = manager.find_longest_cache_hit(hashes)
+            if len(blocks) < len(hashes):
+                raise RuntimeError(
+                    f"request {req_id}: prefix-hit blocks were evicted before allocate_slots"
+                )
+            hits[manager.group_id] = blocks
+        return hits
+
+    def cache_full_blocks(
+        self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Publish the request's computed full blocks for later prefix hits. Call it
+        once `num_computed_tokens` tokens of `token_ids` have really been computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        hashes = self._req_hashes.setdefault(req_id, [])
+        if len(hashes) < num_full:
+            extend_block_hashes(hashes, token_ids[: num_full * self.block_size], self.block_size)
+        for manager in self._attention():
+            manager.cache_blocks(req_id, hashes, num_full)
+
+    def free(self, req_id: str) -> None:
+        """Return every block of the request to the pool. Its ids not yet taken for
+        zeroing are dropped: a block may be reallocated before the next take, and
+        zeroing it then would wipe the new owner's data (it is recorded again if it
+        goes to an attention group)."""
+        for manager in self.managers:
+            for block_id in manager.block_ids(req_id):
+                if self._pending_zero.get(block_id) == req_id:
+                    del self._pending_zero[block_id]
+            manager.free(req_id)
+        self._req_hashes.pop(req_id, None)
+        self._pending_hits.pop(req_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; refused (False) while any block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self._req_hashes.clear()
+        self._pending_hits.clear()
+        return True
+
+    # -- zero bookkeeping ------------------------------------------------------------
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the attention blocks allocated since the last take, in allocation order."""
+        ids = list(self._pending_zero)
+        self._pending_zero.clear()
+        return ids
+
+    def get_zeroing_block_ids_in_range(
+        self, req_id: str, start_token: int, end_token: int
+    ) -> list[int]:
+        """Attention block ids that a remote load of tokens [start_token, end_token)
+        overwrites: block indices [start // block_size, ceil(end / block_size))."""
+        if start_token >= end_token:
+            return []
+        lo, hi = start_token // self.block_size, -(-end_token // self.block_size)
+        return [bid for m in self._attention() for bid in m.block_ids(req_id)[lo:hi]]
+
+    def record_blocks_for_zeroing(self, req_id: str, start_token: int) -> None:
+        """Record every attention block from `start_token` on for zeroing (a failed
+        load: the valid prefix before it is kept, the rest is recomputed)."""
+        if start_token % self.block_size:
+            raise ValueError(f"start_token {start_token} is not block aligned")
+        first = start_token // self.block_size
+        blocks = [b for m in self._attention() for b in m.req_to_blocks.get(req_id, [])[first:]]
+        # A block shared through the prefix cache holds another request's valid KV;
+        # only the failed load's own blocks, past the local hit, may be zeroed.
+        shared = [b.block_id for b in blocks if b.ref_cnt > 1]
+        if shared:
+            raise ValueError(f"request {req_id}: blocks {shared} are shared, not zeroable")
+        for block in blocks:
+            self._pending_zero.setdefault(block.block_id, req_id)
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple(m.block_ids(req_id) for m in self.managers)
+
+    def check_integrity(self) -> None:
+        """Pool integrity, plus: each block's ref_cnt equals the number of tables that
+        hold it, a block held more than once is a prefix-cache block, and pending
+        zeroing ids belong to their recorded owner."""
+        self.pool.check_integrity()
+        owners: Counter[int] = Counter()
+        for manager in self.managers:
+            for blocks in manager.req_to_blocks.values():
+                owners.update(b.block_id for b in blocks)
+        for block in self.pool.blocks:
+            count = owners[block.block_id]
+            assert block.ref_cnt == count, (
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} owners"
+            )
+            assert count <= 1 or block.block_hash is not None, (
+                f"block {block.block_id} is owned {count} times but is not a cached block"
+            )
+        for block_id, req_id in self._pending_zero.items():
+            held = any(block_id in m.block_ids(req_id) for m in self._attention())
+            assert held, f"block {block_id} pending zeroing is not held by {req_id}"

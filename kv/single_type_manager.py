@@ -1,0 +1,115 @@
+"""Per-layer-group block tables: how many blocks a kind of layer needs for a request.
+
+All managers draw from one shared `BlockPool`; the difference between kinds is only
+how many blocks a request needs and whether fresh blocks must be zeroed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from kv.block_hash import with_group
+from kv.block_pool import BlockPool, KVBlock
+
+
+class SingleTypeManager(ABC):
+    """Block tables of one layer group. Tables are append-only while a request lives:
+    workers index them by position, so a block never moves or disappears mid-request."""
+
+    # True when a page newly taken from the pool must be zeroed before first use.
+    records_new_block_ids: ClassVar[bool]
+
+    def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.group_id = group_id
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+
+    @abstractmethod
+    def num_required_blocks(self, num_tokens: int) -> int:
+        """Blocks a request with `num_tokens` tokens must own in this group."""
+
+    def get_num_blocks_to_allocate(self, req_id: str, num_tokens: int) -> int:
+        owned = len(self.req_to_blocks.get(req_id, ()))
+        return max(self.num_required_blocks(num_tokens) - owned, 0)
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVBlock]:
+        """Grow the request's table to cover `num_tokens`; returns the new blocks only.
+        Raises ValueError (from the pool) if it cannot, leaving the table unchanged."""
+        num_new = self.get_num_blocks_to_allocate(req_id, num_tokens)
+        new_blocks = self.pool.get_new_blocks(num_new)
+        self.req_to_blocks.setdefault(req_id, []).extend(new_blocks)
+        return new_blocks
+
+    def free(self, req_id: str) -> None:
+        # Reverse order: the tail of a prompt is the least likely prefix to be shared,
+        # so it should be evicted before the head.
+        blocks = self.req_to_blocks.pop(req_id, [])
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+
+class FullAttentionManager(SingleTypeManager):
+    """One block per `block_size` tokens; full blocks can be shared by prefix caching."""
+
+    records_new_block_ids = True
+
+    def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
+        super().__init__(pool, block_size, group_id)
+        # How many leading blocks of each request are already in the hash map, so
+        # caching after every step only looks at blocks that just became full.
+        self._num_cached: dict[str, int] = {}
+
+    def num_required_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
+        """Cached blocks for the longest prefix of `block_hashes`; the chain stops at
+        the first miss because a later block is only valid behind its own prefix."""
+        hits = []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(with_group(block_hash, self.group_id))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def add_cached_blocks(self, req_id: str, blocks: Sequence[KVBlock]) -> None:
+        """Start a request's table with prefix-cache hits (touching them)."""
+        if self.req_to_blocks.get(req_id):
+            raise ValueError(f"request {req_id} already owns blocks; hits go first")
+        self.pool.touch(blocks)
+        self.req_to_blocks[req_id] = list(blocks)
+        self._num_cached[req_id] = len(blocks)
+
+    def cache_blocks(
+        self, req_id: str, block_hashes: Sequence[bytes], num_full_blocks: int
+    ) -> None:
+        """Publish the request's first `num_full_blocks` blocks (computed, full) under
+        `block_hashes` so later requests can hit them."""
+        blocks = self.req_to_blocks.get(req_id, [])
+        end = min(num_full_blocks, len(blocks), len(block_hashes))
+        start = self._num_cached.get(req_id, 0)
+        for i in range(start, end):
+            self.pool.cache_full_block(blocks[i], with_group(block_hashes[i], self.group_id))
+        self._num_cached[req_id] = max(start, end)
+
+    def free(self, req_id: str) -> None:
+        self._num_cached.pop(req_id, None)
+        super().free(req_id)
+
+
+class MambaManager(SingleTypeManager):
+    """One state slot per request, whatever its length: the state is overwritten in
+    place each step. Fresh slots are not zeroed (the state is fully rewritten), and
+    there is no prefix caching: a hit would need the state at that exact token, which
+    is not kept."""
+
+    records_new_block_ids = False
+
+    def num_required_blocks(self, num_tokens: int) -> int:
+        return 1
