@@ -1,0 +1,108 @@
+"""Async client of one engine: submit a request, stream its tokens, abort it.
+
+The engine hands out outputs in batches (one message per step for all requests); a single
+poller task fans them out to per-request queues. The same client drives an in-process
+`EngineCore` (tests, `bench --mode local`) and a `SchedulerActor` over Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from actors.messages import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_POLL_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCalls:
+    """How to reach an engine: three coroutines, local or remote."""
+
+    add_request: Callable[[str, list[int], SamplingParams], Awaitable[None]]
+    abort: Callable[[str], Awaitable[None]]
+    get_outputs: Callable[[float], Awaitable[list[RequestOutput]]]
+
+    @classmethod
+    def local(cls, core: Any) -> EngineCalls:
+        async def add(req_id: str, ids: list[int], sp: SamplingParams) -> None:
+            core.add_request(req_id, ids, sp)
+
+        async def abort(req_id: str) -> None:
+            core.abort(req_id)
+
+        return cls(add, abort, core.get_outputs)
+
+    @classmethod
+    def remote(cls, handle: Any) -> EngineCalls:
+        async def add(req_id: str, ids: list[int], sp: SamplingParams) -> None:
+            await handle.add_request.remote(req_id, ids, sp)
+
+        async def abort(req_id: str) -> None:
+            await handle.abort.remote(req_id)
+
+        async def get(timeout: float) -> list[RequestOutput]:
+            return await handle.get_outputs.remote(timeout)
+
+        return cls(add, abort, get)
+
+
+class EngineClient:
+    _ids = itertools.count()
+
+    def __init__(self, calls: EngineCalls) -> None:
+        self.calls = calls
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                       req_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until one carries a finish reason. Leaving the
+        iteration early (a client went away) aborts the request so its blocks are freed."""
+        req_id = req_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[req_id] = queue
+        finished = False
+        try:
+            await self.calls.add_request(req_id, prompt_token_ids, sampling)
+            self._ensure_poller()
+            while not finished:
+                out = await queue.get()
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            self._queues.pop(req_id, None)
+            if not finished:
+                await asyncio.shield(self.calls.abort(req_id))
+
+    async def abort(self, req_id: str) -> None:
+        await self.calls.abort(req_id)
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self._queues:
+            try:
+                outputs = await self.calls.get_outputs(_POLL_TIMEOUT_S)
+            except Exception as e:  # the engine is gone: end every stream with an error
+                log.exception("engine poll failed")
+                for req_id, q in list(self._queues.items()):
+                    q.put_nowait(RequestOutput(req_id, [], None, "error", error=f"engine unreachable: {e!r}"))
+                return
+            for out in outputs:
+                q = self._queues.get(out.req_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)

@@ -1,0 +1,145 @@
+"""The engine loop: schedule a step, hand it to every worker, apply the result.
+
+With async scheduling two steps are in flight: step N+1 is scheduled and submitted while
+step N runs, so the workers never wait for the scheduler. The loop is asyncio so that one
+Ray actor can run it and still take requests and aborts; workers are reached through
+`StepExecutor`s (an in-process `Worker`, or a Ray worker actor), so the same code runs in
+one process for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+
+from actors.messages import (
+    EngineOverloadedError,
+    EngineStats,
+    ModelRunnerOutput,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from actors.request import Request
+from actors.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# Called synchronously when a step is dispatched (so steps reach each worker in order);
+# the awaitable resolves with the worker's result.
+StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executors: Sequence[StepExecutor], async_scheduling: bool,
+                 eos_token_id: int | None, max_waiting: int = 1 << 30) -> None:
+        if not executors:
+            raise ValueError("an engine needs at least one worker")
+        self.scheduler = scheduler
+        self.executors = list(executors)
+        self.depth = 2 if async_scheduling else 1
+        self.eos_token_id = eos_token_id
+        self.max_waiting = max_waiting
+        self._outputs: list[RequestOutput] = []
+        self._has_outputs = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[list[ModelRunnerOutput]]]] = deque()
+        self._failure: BaseException | None = None
+        self.num_steps = 0
+
+    # -- client side ------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request; raises InvalidRequestError for one the engine cannot serve."""
+        if self._failure is not None:
+            raise RuntimeError(f"engine failed: {self._failure!r}")
+        sampling.validate()
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+        self.scheduler.add_request(Request(req_id, list(prompt_token_ids), sampling, self.eos_token_id))
+        self._ensure_running()
+        self._wake.set()
+
+    def abort(self, req_id: str) -> None:
+        out = self.scheduler.abort(req_id)
+        if out is not None:
+            self._publish([out])
+        self._wake.set()
+
+    async def get_outputs(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Everything produced since the last call: one message per step for all requests."""
+        if not self._outputs:
+            try:
+                await asyncio.wait_for(self._has_outputs.wait(), timeout)
+            except TimeoutError:
+                return []
+        out, self._outputs = self._outputs, []
+        self._has_outputs.clear()
+        return out
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), s.kv.num_blocks, s.kv.num_free_blocks,
+                           s.blocks_zeroed, 0, {"steps": self.num_steps, "preemptions": s.num_preemptions})
+
+    async def wait_idle(self) -> None:
+        """Until no request is left and every fenced block is back in the pool."""
+        while self.scheduler.has_work() or self._in_flight:
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # -- loop -------------------------------------------------------------------------
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._outputs.extend(outputs)
+            self._has_outputs.set()
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a worker died or a step failed: fail every request loudly
+            log.exception("engine loop failed")
+            self._failure = e
+            self._fail_all(repr(e))
+
+    async def _loop(self) -> None:
+        flight = self._in_flight
+        while True:
+            self._wake.clear()
+            if len(flight) < self.depth and self.scheduler.has_work():
+                out = self.scheduler.schedule()
+                if out is not None:
+                    flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
+                    continue
+            if flight:
+                out, fut = flight.popleft()
+                results = await fut
+                self.num_steps += 1
+                self._publish(self.scheduler.update_from_output(out, results[0]))
+                continue
+            self.scheduler.drain_idle()
+            await self._wake.wait()
+
+    def _fail_all(self, why: str) -> None:
+        failed = []
+        for req_id in list(self.scheduler.requests):
+            out = self.scheduler.abort(req_id)
+            if out is not None:
+                failed.append(RequestOutput(req_id, out.new_token_ids, None, "error", out.num_prompt_tokens,
+                                            out.num_output_tokens, error=f"engine failure: {why}"))
+        self._publish(failed)

@@ -1,0 +1,123 @@
+"""Typed messages between the scheduler, its workers and the engine's clients.
+
+Each step the scheduler sends one `SchedulerOutput` to every worker and gets one
+`ModelRunnerOutput` back; clients get `RequestOutput` batches. They are plain dataclasses of
+ints, strings and lists, so they cross Ray without pickling anything but data. Workers keep
+the token history of every running request themselves, so after a request's first step
+only counts and new block ids travel, and a decode step under async scheduling can name a
+token the scheduler has not seen yet (it is still being sampled by the previous step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the bad value (HTTP 400 upstream)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r} {why}", param=name)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request's first step on a worker: everything the worker keeps for it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[list[int]]  # one list per cache group
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A later step of a request the worker already knows."""
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[list[int]]  # appended per group; the full lists when `resumed`
+    resumed: bool = False  # re-scheduled after preemption: blocks replaced, KV recomputed
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: list[str]  # the worker forgets these before running the step
+    # Attention blocks the worker zeroes on its compute stream before this step's forward;
+    # None when nothing is to be zeroed (or the model has no Mamba pages to go stale).
+    new_block_ids_to_zero: list[int] | None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    sampled: dict[str, int]  # requests whose scheduled chunk reached their last known token
+    logprobs: dict[str, float] = field(default_factory=dict)
+    num_zeroed_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens of one request since its last output; `finish_reason` set on the last one."""
+
+    req_id: str
+    new_token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int
+    blocks_zeroed: int
+    blocks_skipped: int
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""The scheduler's record of one request: two counters, as in vLLM v1.
+
+`num_computed_tokens` is what has been *scheduled* into the cache (including steps still
+running); the request's tokens are its prompt, the outputs reported so far, and
+`num_placeholders` tokens being sampled by steps in flight. Each step hands out tokens so
+computed catches up with that total, so prefill, chunked prefill, decode and recompute
+after preemption are one mechanism.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from actors.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_placeholders: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # The last step that used this request's blocks: they are freed only once it reports.
+    last_step: int = -1
+    known_to_workers: bool = False
+    resumed: bool = False
+    finish_reason: str | None = None
+    num_emitted: int = 0  # outputs already sent to the client
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_placeholders
+
+    @property
+    def num_expected_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,259 @@
+"""The step scheduler: which tokens of which requests run next, in which blocks.
+
+Running requests are served first (decode and unfinished prefill), then waiting ones, within
+a token budget and a cap on running requests; a prompt longer than the budget is prefilled
+in chunks. When blocks run out the lowest-priority running request is preempted and later
+recomputed. Under async scheduling step N+1 is scheduled while step N runs: a request whose
+step N will sample a token carries a placeholder for it, so its next decode step can be
+scheduled before the token is known (the workers know it by then).
+
+Two fences keep memory safe under that overlap (DESIGN.md §1):
+- freed blocks go back to the pool only once the last step that used them has reported;
+- a preempted request is not resumed before that either.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from actors.messages import (
+    CachedRequestData,
+    InvalidRequestError,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+)
+from actors.request import Request, RequestStatus
+from actors.stop import StopChecker
+from kv.kv_cache_manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker) -> None:
+        self.config = config
+        self.kv = kv
+        self.stop = stop
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._next_step = 0
+        self._last_reported = -1
+        self._pending_free: list[tuple[int, str]] = []  # (fence step, request id)
+        self._pending_ids: set[str] = set()
+        self._finished_for_workers: list[str] = []
+        self.blocks_zeroed = 0
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests or req.req_id in self._pending_ids:
+            raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.sampling.max_tokens}) is "
+                f"{total}, beyond the model's context of {self.config.max_model_len} tokens", param="max_tokens")
+        attn_blocks = -(-total // self.kv.block_size) * sum(g.kind == "attention" for g in self.kv.groups)
+        if attn_blocks + len(self.kv.groups) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs about {attn_blocks} KV blocks; the cache has {self.kv.num_blocks}",
+                param="max_tokens")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return None
+        self._finish(req, "abort")
+        return self._output(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Plan the next step, or None when nothing can run now (all requests wait on
+        tokens or fences that in-flight steps will resolve)."""
+        step = self._next_step
+        budget = self.config.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        tokens: dict[str, int] = {}
+        preempted = False
+
+        for req in list(self.running):
+            if budget == 0 or preempted:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(self._num_new_tokens(req), budget)
+            if n <= 0:
+                continue
+            before = [len(b) for b in self.kv.get_block_ids(req.req_id)]
+            while self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+                victim = self._pick_victim(req, tokens)
+                freed_now = self._preempt(victim)
+                preempted = True
+                if victim is req or not freed_now:
+                    break  # fenced blocks come back when the step in flight reports
+            else:
+                after = self.kv.get_block_ids(req.req_id)
+                cached.append(CachedRequestData(req.req_id, req.num_computed_tokens,
+                                                [ids[k:] for ids, k in zip(after, before)]))
+                self._commit(req, n, step, tokens)
+                budget -= n
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.last_step > self._last_reported:
+                break  # preempted with a step still in flight: its blocks are not free yet
+            hit = 0 if req.resumed else self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
+            req.num_computed_tokens = hit
+            n = min(self._num_new_tokens(req), budget)
+            if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=hit) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            blocks = [list(b) for b in self.kv.get_block_ids(req.req_id)]
+            if req.known_to_workers:
+                cached.append(CachedRequestData(req.req_id, hit, blocks, resumed=True))
+            else:
+                new_reqs.append(NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit))
+                req.known_to_workers = True
+            self._commit(req, n, step, tokens)
+            budget -= n
+
+        if not tokens:
+            return None
+        self._next_step += 1
+        finished, self._finished_for_workers = self._finished_for_workers, []
+        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero())
+
+    def _num_new_tokens(self, req: Request) -> int:
+        if req.num_expected_outputs >= req.sampling.max_tokens:
+            return 0  # the last token it may produce is already being sampled
+        return req.num_tokens_with_placeholders - req.num_computed_tokens
+
+    def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int]) -> None:
+        tokens[req.req_id] = n
+        req.num_computed_tokens += n
+        req.last_step = step
+        req.resumed = False
+        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            req.num_placeholders += 1  # this step samples its next token
+        self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
+
+    def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:
+        """The lowest-priority running request not already in this step (possibly `req`)."""
+        for cand in reversed(self.running):
+            if cand.req_id not in scheduled:
+                return cand
+        return req
+
+    def _preempt(self, req: Request) -> bool:
+        """Send `req` back to the front of the queue for recompute; True if its blocks
+        are free already."""
+        log.debug("preempting %s at %d computed tokens", req.req_id, req.num_computed_tokens)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.resumed = True
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        return self._release(req)
+
+    def _get_new_block_ids_to_zero(self) -> list[int] | None:
+        ids = self.kv.take_new_block_ids()
+        if not ids or not self.kv.needs_zeroing:
+            return None
+        self.blocks_zeroed += len(ids)
+        return ids
+
+    # -- results ----------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply a finished step: record sampled tokens, check stops, release fenced blocks."""
+        if result.step_id != out.step_id:
+            raise RuntimeError(f"step {out.step_id} got the result of step {result.step_id}")
+        self._last_reported = out.step_id
+        outputs = []
+        for req_id, token in result.sampled.items():
+            req = self.requests.get(req_id)
+            if req is None or req.finished:
+                continue  # finished while this step ran: the token is surplus
+            req.num_placeholders -= 1
+            req.output_token_ids.append(token)
+            if req.sampling.logprobs and req_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[req_id])
+            reason = self.stop.check(req)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(self._output(req))
+        self._release_fenced()
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        new = req.output_token_ids[req.num_emitted:]
+        logprobs = req.output_logprobs[req.num_emitted:] if req.sampling.logprobs else None
+        req.num_emitted = len(req.output_token_ids)
+        return RequestOutput(req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens,
+                             len(req.output_token_ids))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self._release(req)
+        del self.requests[req.req_id]
+        if req.known_to_workers:
+            self._finished_for_workers.append(req.req_id)
+
+    def _release(self, req: Request) -> bool:
+        """Free the request's blocks now if no step in flight uses them, else at the fence."""
+        if req.last_step <= self._last_reported:
+            self.kv.free(req.req_id)
+            return True
+        if req.req_id not in self._pending_ids:
+            self._pending_free.append((req.last_step, req.req_id))
+            self._pending_ids.add(req.req_id)
+        return False
+
+    def _release_fenced(self) -> None:
+        keep = []
+        for fence, req_id in self._pending_free:
+            if fence <= self._last_reported:
+                self.kv.free(req_id)
+                self._pending_ids.discard(req_id)
+            else:
+                keep.append((fence, req_id))
+        self._pending_free = keep
+
+    def drain_idle(self) -> None:
+        """Release every fenced block; call only when no step is in flight."""
+        self._last_reported = self._next_step - 1
+        self._release_fenced()

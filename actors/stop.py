@@ -1,0 +1,41 @@
+"""Stop conditions checked when a sampled token is reported: EOS, max_tokens, the model's
+length limit, and stop strings (found in the detokenized output, so they work across
+token boundaries)."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+from actors.request import Request
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def check(self, req: Request) -> str | None:
+        """The finish reason after the request's newest output token, or None to go on."""
+        params = req.sampling
+        last = req.output_token_ids[-1]
+        if not params.ignore_eos and last == req.eos_token_id:
+            return "stop"
+        if params.stop and self._hit_stop_string(req):
+            return "stop"
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        if self.tokenizer is None:
+            return False
+        # Only the tail can contain a stop string that the newest token completed.
+        longest = max(len(s) for s in req.sampling.stop)
+        tail = self.tokenizer.decode(req.output_token_ids[-(longest + 8):], skip_special_tokens=False)
+        return any(s in tail for s in req.sampling.stop)
+
+
+def truncate_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before the first stop string, as OpenAI's API returns it."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
