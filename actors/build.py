@@ -1,0 +1,48 @@
+"""Assembling an engine from the config: the scheduler sized from the workers' cache
+layout, and the workers themselves, in-process or as Ray actors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from actors.engine import EngineCore, StepExecutor
+from actors.scheduler import Scheduler, SchedulerConfig
+from actors.stop import StopChecker
+from actors.worker import Worker
+from kv.cache_layout import CacheLayout
+from kv.kv_cache_manager import KVCacheManager
+from models.loader import load_config, load_generation_config
+from serve.config import Config
+
+
+def worker_kwargs(cfg: Config) -> dict[str, object]:
+    return dict(dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.resolved_device,
+                block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
+                seed=cfg.seed)
+
+
+def make_scheduler(cfg: Config, layout: CacheLayout) -> Scheduler:
+    model_cfg = load_config(cfg.model)
+    max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
+    tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
+    sched_cfg = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+    return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len))
+
+
+def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor]) -> EngineCore:
+    _, eos = load_generation_config(cfg.model, load_config(cfg.model))
+    return EngineCore(make_scheduler(cfg, layout), executors, cfg.async_scheduling, eos, cfg.max_waiting)
+
+
+def build_local_engine(cfg: Config, stream_delay_s: float = 0.0) -> tuple[EngineCore, Worker]:
+    """Scheduler and one worker in this process: the same classes as the Ray deployment."""
+    worker = Worker(cfg.model, stream_delay_s=stream_delay_s, **worker_kwargs(cfg))  # type: ignore[arg-type]
+
+    def run(out):  # type: ignore[no-untyped-def]
+        return asyncio.wrap_future(worker.execute_model(out))
+
+    return make_engine(cfg, worker.layout, [run]), worker

@@ -1,0 +1,57 @@
+"""The engine as a Ray actor: it runs the scheduler loop and drives its worker actors.
+
+Its methods are what an `EngineClient` calls over Ray: add a request, abort one, and
+collect outputs in batches (one round trip per step for all requests, not one per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from actors.build import make_engine, worker_kwargs
+from actors.messages import EngineStats, RequestOutput, SamplingParams
+from actors.worker_actor import RemoteWorker
+from serve.config import Config
+
+
+class SchedulerActor:
+    def __init__(self, config: dict[str, Any], role: str = "colocated", stream_delay_s: float = 0.0) -> None:
+        self.config = Config.from_dict(config)
+        self.role = role
+        self.workers = [
+            RemoteWorker.remote(self.config.model, num_threads=self.config.worker_threads,
+                                stream_delay_s=stream_delay_s, **worker_kwargs(self.config))
+        ]
+        layout = ray.get(self.workers[0].layout.remote())
+        self.core = make_engine(self.config, layout, [w.execute_model.remote for w in self.workers])
+
+    async def ready(self) -> bool:
+        return True
+
+    async def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        self.core.add_request(req_id, prompt_token_ids, sampling)
+
+    async def abort(self, req_id: str) -> None:
+        self.core.abort(req_id)
+
+    async def get_outputs(self, timeout: float) -> list[RequestOutput]:
+        return await self.core.get_outputs(timeout)
+
+    async def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def wait_idle(self) -> EngineStats:
+        await self.core.wait_idle()
+        self.core.scheduler.kv.check_integrity()
+        return self.core.stats()
+
+    async def shutdown(self) -> None:
+        await self.core.close()
+        await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
+
+
+# Control-plane actor: it schedules, it does not compute, so it takes no CPU slot (DESIGN.md §4).
+RemoteScheduler = ray.remote(num_cpus=0, max_concurrency=1000)(SchedulerActor)

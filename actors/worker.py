@@ -1,0 +1,200 @@
+"""A worker: the model, its cache memory and the token history of every running request.
+
+Each `SchedulerOutput` becomes one job on the worker's compute stream: apply the request
+updates, zero the step's new attention pages, run the forward, sample. Keeping all of it
+in one job keeps the order DESIGN.md §1 depends on: a step's zeroing runs after the
+previous step's forward and before its own. The worker's token lists are the truth for
+what a step computes: under async scheduling a decode step names a token the previous
+step is still sampling, which only the worker knows.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from actors.compute_stream import ComputeStream
+from actors.messages import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+from actors.sampler import Sampler
+from kv.cache_layout import CacheLayout, allocate_caches, plan_layout
+from models.batch import SeqChunk, build_forward_batch
+from models.config import ModelConfig
+from models.loader import load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    """None for 'auto' (the checkpoint's dtype for weights, the weights' dtype for the cache)."""
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class RequestState:
+    tokens: list[int]  # prompt + every token this worker sampled
+    block_ids: list[list[int]]  # one list per cache group
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    num_computed: int  # tokens whose KV / state is in the cache
+
+
+class Worker:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
+        device: str = "cpu",
+        block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        stream_delay_s: float = 0.0,
+    ) -> None:
+        self.device = torch.device(device)
+        loaded = load_model(model_dir, dtype=parse_dtype(dtype), device=self.device)
+        self.model = loaded.model
+        self.config: ModelConfig = loaded.config
+        cache_dtype = parse_dtype(kv_cache_dtype) or next(self.model.parameters()).dtype
+        self._layout = plan_layout(self.config, cache_dtype, block_size, num_kv_blocks, kv_cache_memory)
+        # Uninitialised on purpose (see allocate_caches): stale bytes are what zeroing is for.
+        self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
+        self.sampler = Sampler(seed, self.device)
+        # Touched only by jobs on the stream; read it between steps, never during one.
+        self.requests: dict[str, RequestState] = {}
+        self._last_step: int | None = None
+        self._stream = ComputeStream(self.device, stream_delay_s)
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self._layout
+
+    def execute_model(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Queue the step on the compute stream; steps must come in increasing step_id order,
+        since each one builds on the token lists the previous one left."""
+        if self._last_step is not None and out.step_id <= self._last_step:
+            raise ValueError(f"step {out.step_id} submitted after step {self._last_step}: steps must be in order")
+        self._last_step = out.step_id
+        return self._stream.submit(self._step, out)
+
+    def execute_model_sync(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model(out).result()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    @torch.inference_mode()
+    def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply(out)
+        zeroed = self._zero(out.new_block_ids_to_zero or [])
+        sampled, logprobs = self._forward(out.num_scheduled_tokens) if out.num_scheduled_tokens else ({}, {})
+        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed)
+
+    def _forward(self, scheduled: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
+        """Run the scheduled chunks, then sample for each request whose chunk reached its last
+        known token; an intermediate prefill chunk has no next token to sample."""
+        ids = list(scheduled)
+        chunks = [self._chunk(req_id, scheduled[req_id]) for req_id in ids]
+        batch = build_forward_batch(chunks, self._layout.groups, self._layout.block_size, self.device)
+        logits = self.model(batch, self.caches)
+        rows: list[int] = []
+        for r, (req_id, chunk) in enumerate(zip(ids, chunks)):
+            state = self.requests[req_id]
+            state.num_computed += len(chunk.token_ids)
+            if state.num_computed == len(state.tokens):
+                rows.append(r)
+        if not rows:
+            return {}, {}
+        states = [self.requests[ids[r]] for r in rows]
+        want = [s.sampling.logprobs for s in states]
+        result = self.sampler.sample(logits[rows], [s.sampling for s in states], [s.generator for s in states],
+                                     want_logprobs=any(want))
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        for i, (r, state) in enumerate(zip(rows, states)):
+            state.tokens.append(result.token_ids[i])
+            sampled[ids[r]] = result.token_ids[i]
+            if want[i] and result.logprobs is not None:
+                logprobs[ids[r]] = result.logprobs[i]
+        return sampled, logprobs
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        """Check the request updates against what the worker knows, then apply them; a bad
+        message raises before anything changes."""
+        self._check(out)
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)  # a request may finish before it ever reached a worker
+        for new in out.new_reqs:
+            self.requests[new.req_id] = self._new_state(new)
+        for cached in out.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.num_computed = cached.num_computed_tokens
+            if cached.resumed:
+                state.block_ids = [list(ids) for ids in cached.new_block_ids]
+            else:
+                for ids, more in zip(state.block_ids, cached.new_block_ids):
+                    ids.extend(more)
+
+    def _check(self, out: SchedulerOutput) -> None:
+        """A cached request not listed in `cached_reqs` continues from the worker's own count."""
+        step = f"step {out.step_id}"
+        # (tokens known, tokens computed) of every request this step may name, after its updates
+        span = {req_id: (len(s.tokens), s.num_computed) for req_id, s in self.requests.items()
+                if req_id not in out.finished_req_ids}
+        for new in out.new_reqs:
+            if new.req_id in span:
+                raise ValueError(f"{step}: new request {new.req_id!r} is already running")
+            self._check_blocks(step, new.req_id, new.block_ids)
+            span[new.req_id] = (len(new.prompt_token_ids), new.num_computed_tokens)
+        for cached in out.cached_reqs:
+            if cached.req_id not in span:
+                raise ValueError(f"{step}: cached request {cached.req_id!r} is unknown to the worker "
+                                 "(never sent as new, or already finished)")
+            self._check_blocks(step, cached.req_id, cached.new_block_ids)
+            span[cached.req_id] = (span[cached.req_id][0], cached.num_computed_tokens)
+        for req_id, n in out.num_scheduled_tokens.items():
+            if req_id not in span:
+                raise ValueError(f"{step}: scheduled request {req_id!r} is unknown to the worker")
+            known, computed = span[req_id]
+            if n < 1 or computed < 0 or computed + n > known:
+                raise ValueError(f"{step}: request {req_id!r} is scheduled tokens [{computed}, {computed + n}) but "
+                                 f"the worker knows {known} (was the previous step's token sampled elsewhere?)")
+        bad = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self._layout.num_blocks]
+        if bad:
+            raise ValueError(f"{step}: blocks to zero {bad} outside [0, {self._layout.num_blocks})")
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        return RequestState(list(new.prompt_token_ids), [list(ids) for ids in new.block_ids], new.sampling,
+                            self.sampler.generator_for(new.sampling), new.num_computed_tokens)
+
+    def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> None:
+        if len(block_ids) != len(self._layout.groups):
+            raise ValueError(f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups, "
+                             f"the model has {len(self._layout.groups)}")
+        bad = [b for ids in block_ids for b in ids if not 0 <= b < self._layout.num_blocks]
+        if bad:
+            raise ValueError(f"{step}: request {req_id!r} names blocks {bad} outside [0, {self._layout.num_blocks})")
+
+    def _zero(self, block_ids: list[int]) -> int:
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for buf in self.buffers:
+                buf[index] = 0
+        return len(block_ids)
+
+    def _chunk(self, req_id: str, n: int) -> SeqChunk:
+        state = self.requests[req_id]
+        start = state.num_computed
+        return SeqChunk(state.tokens[start : start + n], start, state.block_ids)

@@ -1,0 +1,73 @@
+"""The Ray actor around a `Worker`.
+
+`execute_model` is async so the scheduler can keep one step in flight while it submits the
+next (async scheduling). The step is queued on the worker's compute stream before the
+method first awaits, so steps reach the stream in the order they start here. An async actor
+may *start* calls out of order, though (one whose argument is still being fetched from the
+object store can be overtaken: Ray's "Actor Task Execution Order"), so a step that arrives
+ahead of its predecessor waits for it: the scheduler numbers steps consecutively and sends
+every step to every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+import torch
+
+from actors.messages import ModelRunnerOutput, SchedulerOutput
+from actors.worker import Worker
+from kv.cache_layout import CacheLayout
+
+# Room for two steps (one running, one queued behind it) plus control calls and a step that
+# arrived early and waits for its predecessor.
+MAX_CONCURRENCY = 4
+
+
+class WorkerActor:
+    def __init__(
+        self, model_dir: str, *, num_threads: int | None = None, step_wait_s: float = 60.0, **worker_kwargs: Any
+    ) -> None:
+        """`num_threads` caps torch's threads in this process, so two workers on one machine do
+        not fight over the same cores. Steps are numbered from 0; one that waits longer than
+        `step_wait_s` for its predecessor fails. `worker_kwargs` go to `Worker`."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self._worker = Worker(model_dir, **worker_kwargs)
+        self._next_step = 0
+        self._step_wait_s = step_wait_s
+        self._turn = asyncio.Condition()
+
+    def ready(self) -> bool:
+        return True
+
+    def layout(self) -> CacheLayout:
+        return self._worker.layout
+
+    async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if out.step_id < self._next_step:
+            raise ValueError(f"step {out.step_id} arrived after step {self._next_step - 1} already ran")
+        if out.step_id > self._next_step:
+            async with self._turn:
+                try:
+                    await asyncio.wait_for(self._turn.wait_for(lambda: self._next_step == out.step_id),
+                                           self._step_wait_s)
+                except TimeoutError:
+                    raise TimeoutError(f"step {out.step_id} waited {self._step_wait_s}s for step "
+                                       f"{self._next_step}, which never arrived") from None
+        future = self._worker.execute_model(out)
+        self._next_step = out.step_id + 1
+        async with self._turn:
+            self._turn.notify_all()
+        return await asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        self._worker.close()
+
+
+# num_cpus=0: a worker's cores are governed by `num_threads`, not by Ray's CPU accounting,
+# which runs out fast on a 2-core CI machine (DESIGN.md §4). Callers that want Ray to place
+# workers by CPU or GPU pass `.options(num_cpus=..., num_gpus=...)`.
+RemoteWorker = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY)(WorkerActor)

@@ -1,0 +1,94 @@
+"""The worker as a Ray actor gives the same steps as the worker in process, also with a
+step submitted before the previous one returned, or arriving ahead of it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+import torch
+
+from actors.messages import ModelRunnerOutput, SchedulerOutput
+from actors.worker_actor import RemoteWorker, WorkerActor
+from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
+from tests.models.hf_fixtures import save_hf_model
+
+
+def assert_same(remote: list[ModelRunnerOutput], local: list[ModelRunnerOutput]) -> None:
+    """Tokens exactly; logprobs up to the float reordering of a different thread count."""
+    assert [(r.step_id, r.sampled, r.num_zeroed_blocks) for r in remote] == \
+        [(r.step_id, r.sampled, r.num_zeroed_blocks) for r in local]
+    for r, w in zip(remote, local):
+        assert r.logprobs.keys() == w.logprobs.keys()
+        assert all(abs(r.logprobs[k] - w.logprobs[k]) < 1e-4 for k in r.logprobs)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("nemotron_h")
+    save_hf_model("nemotron_h", out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def actor(cluster, checkpoint):
+    handle = RemoteWorker.remote(checkpoint, num_threads=1, block_size=BLOCK, num_kv_blocks=64,
+                                 stream_delay_s=0.02)
+    assert ray.get(handle.ready.remote())
+    yield handle
+    ray.get(handle.shutdown.remote())
+    ray.kill(handle)
+
+
+def test_actor_steps_equal_in_process_worker(actor, checkpoint):
+    local = make_worker(checkpoint)
+    assert ray.get(actor.layout.remote()) == local.layout
+    drv = Driver(local)
+    for req_id, prompt in PROMPTS.items():
+        drv.add(req_id, prompt)
+    steps = [drv.build({r: len(p) for r, p in PROMPTS.items()})]
+    steps += [drv.build({r: 1 for r in PROMPTS}) for _ in range(4)]
+    # Async scheduling: every step is queued before the first one's result is read.
+    remote = ray.get([actor.execute_model.remote(s) for s in steps])
+    assert_same(remote, [local.execute_model_sync(s) for s in steps])
+    assert all(len(r.sampled) == 3 for r in remote)
+    local.close()
+
+
+def test_early_step_waits_for_its_predecessor_and_errors_reach_the_caller(actor, checkpoint):
+    local = make_worker(checkpoint)
+    drv = Driver(local)
+    drv.add("a", PROMPTS["a"])
+    prefill, decode = drv.build({"a": 7}), drv.build({"a": 1})
+    later = actor.execute_model.remote(decode)
+    earlier = actor.execute_model.remote(prefill)
+    assert_same(ray.get([earlier, later]), [local.execute_model_sync(prefill), local.execute_model_sync(decode)])
+    with pytest.raises(ray.exceptions.RayTaskError, match="unknown to the worker"):
+        ray.get(actor.execute_model.remote(SchedulerOutput(2, [], [], {"ghost": 1}, [], None)))
+    with pytest.raises(ray.exceptions.RayTaskError, match="already ran"):
+        ray.get(actor.execute_model.remote(SchedulerOutput(1, [], [], {}, [], None)))
+    local.close()
+
+
+def test_num_threads_is_applied(checkpoint):
+    before = torch.get_num_threads()
+    try:
+        WorkerActor(checkpoint, num_threads=1, block_size=BLOCK, num_kv_blocks=8).shutdown()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
+    worker = WorkerActor(checkpoint, block_size=BLOCK, num_kv_blocks=8, step_wait_s=0.05)
+    with pytest.raises(TimeoutError, match="step 1 waited .* for step 0"):
+        asyncio.run(worker.execute_model(SchedulerOutput(1, [], [], {}, [], None)))
+    worker.shutdown()
