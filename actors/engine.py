@@ -10,9 +10,11 @@ one process for tests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from actors.messages import (
     EngineOverloadedError,
@@ -24,11 +26,14 @@ from actors.messages import (
 )
 from actors.request import Request
 from actors.scheduler import Scheduler
+from kv.transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
 # Called synchronously when a step is dispatched (so steps reach each worker in order);
 # the awaitable resolves with the worker's result.
+_POLL_INTERVAL_S = 0.002
+
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
 
@@ -52,16 +57,47 @@ class EngineCore:
 
     # -- client side ------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequestError for one the engine cannot serve."""
+    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    kv_transfer_params: dict[str, Any] | None = None, do_remote_decode: bool = False) -> None:
+        """Queue a request; raises InvalidRequestError for one the engine cannot serve.
+
+        `do_remote_decode` (prefill engine): compute the prompt but its last token, answer
+        with `kv_transfer_params`, keep the blocks for the decode side. The decode side
+        recomputes that last token itself, which also gives it the logits for the first
+        output token, and a hybrid model's Mamba state is then exactly the state after
+        prompt[:-1]. `kv_transfer_params` (decode engine): load that KV instead of computing it.
+        """
         if self._failure is not None:
             raise RuntimeError(f"engine failed: {self._failure!r}")
-        sampling.validate()
-        if len(self.scheduler.waiting) >= self.max_waiting:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
-        self.scheduler.add_request(Request(req_id, list(prompt_token_ids), sampling, self.eos_token_id))
+        params = KVTransferParams.from_dict(kv_transfer_params) if kv_transfer_params else None
+        try:
+            sampling.validate()
+            if len(self.scheduler.waiting) >= self.max_waiting:
+                raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+            prompt = list(prompt_token_ids)
+            if do_remote_decode:
+                prompt = prompt[:-1]
+                sampling = dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
+                if not prompt:
+                    self._publish([self._empty_hand_over(req_id)])
+                    return
+            self.scheduler.add_request(Request(req_id, prompt, sampling, self.eos_token_id,
+                                               kv_transfer_params=params, do_remote_decode=do_remote_decode))
+        except (InvalidRequestError, EngineOverloadedError):
+            if params is not None and self.scheduler.connector is not None:
+                self.scheduler.connector.notify_abandoned(params)  # so the prefill side frees now
+                self._ensure_running()
+                self._wake.set()
+            raise
         self._ensure_running()
         self._wake.set()
+
+    def _empty_hand_over(self, req_id: str) -> RequestOutput:
+        """A one-token prompt: nothing to prefill; the decode side computes it all."""
+        s = self.scheduler
+        assert s.disagg is not None
+        params = KVTransferParams(s.disagg.engine_id, s.agent_name, tuple(() for _ in s.kv.groups), 0, req_id)
+        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params.to_dict())
 
     def abort(self, req_id: str) -> None:
         out = self.scheduler.abort(req_id)
@@ -83,7 +119,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.kv.num_blocks, s.kv.num_free_blocks,
-                           s.blocks_zeroed, 0, {"steps": self.num_steps, "preemptions": s.num_preemptions})
+                           s.blocks_zeroed, s.blocks_skipped,
+                           {"steps": self.num_steps, "preemptions": s.num_preemptions, "loading": len(s.loading),
+                            "held_for_decode": len(s._held), "failed_loads": s.num_failed_loads})
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""
@@ -131,6 +169,8 @@ class EngineCore:
                 results = await fut
                 self.num_steps += 1
                 self._publish(self.scheduler.update_from_output(out, results[0]))
+                if not out.num_scheduled_tokens:
+                    await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
                 continue
             self.scheduler.drain_idle()
             await self._wake.wait()

@@ -11,7 +11,10 @@ token the scheduler has not seen yet (it is still being sampled by the previous 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv.nixl_scheduler import ConnectorMetadata
 
 
 class InvalidRequestError(ValueError):
@@ -85,6 +88,7 @@ class SchedulerOutput:
     # Attention blocks the worker zeroes on its compute stream before this step's forward;
     # None when nothing is to be zeroed (or the model has no Mamba pages to go stale).
     new_block_ids_to_zero: list[int] | None
+    kv_connector_meta: ConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -97,6 +101,12 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # requests whose scheduled chunk reached their last known token
     logprobs: dict[str, float] = field(default_factory=dict)
     num_zeroed_blocks: int = 0
+    # KV transfers that ended since the last step (NIXL connector): requests whose pages a
+    # decode side has read from this (prefill) worker, loads into this (decode) worker that
+    # landed, and loads that failed with the local block ids left invalid.
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +120,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer
 
 
 @dataclass(frozen=True, slots=True)

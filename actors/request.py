@@ -13,10 +13,12 @@ import enum
 from dataclasses import dataclass, field
 
 from actors.messages import SamplingParams
+from kv.transfer_params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -39,6 +41,13 @@ class Request:
     resumed: bool = False
     finish_reason: str | None = None
     num_emitted: int = 0  # outputs already sent to the client
+    # Disaggregation: a decode request carries where its prompt's KV lives; a prefill
+    # request (do_remote_decode) stops after its prompt and hands the KV over.
+    kv_transfer_params: KVTransferParams | None = None
+    do_remote_decode: bool = False
+    load_done: bool = False
+    num_external_tokens: int = 0  # granted to the load in flight
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

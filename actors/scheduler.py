@@ -10,13 +10,22 @@ scheduled before the token is known (the workers know it by then).
 Two fences keep memory safe under that overlap (DESIGN.md §1):
 - freed blocks go back to the pool only once the last step that used them has reported;
 - a preempted request is not resumed before that either.
+
+Disaggregated serving (a `DisaggConfig` with a connector) adds the fix this project exists
+for: a decode request whose prompt KV arrives by NIXL READ gets its blocks allocated, the
+attention blocks that READ will fill go into `_skip_zero_block_ids`, and
+`_get_new_block_ids_to_zero` removes them from the step's zero list. The zeroing would be
+queued on the compute stream behind the forward in flight, while the READ lands whenever
+UCX completes it, so zeroing those blocks could wipe KV that already arrived.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 from actors.messages import (
     CachedRequestData,
@@ -29,6 +38,7 @@ from actors.messages import (
 from actors.request import Request, RequestStatus
 from actors.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
+from kv.nixl_scheduler import NixlSchedulerConnector
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +50,31 @@ class SchedulerConfig:
     max_model_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    role: Literal["prefill", "decode"]
+    engine_id: str
+    lease_s: float = 60.0
+    # Debug only: zero the blocks a remote load covers, as before the fix (DESIGN.md I6).
+    debug_zero_loaded_blocks: bool = False
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker,
+                 disagg: DisaggConfig | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
+        self.disagg = disagg
+        self.connector = (NixlSchedulerConnector(kv.groups, kv.block_size, disagg.lease_s)
+                          if disagg is not None else None)
+        self.agent_name = ""  # the worker's NIXL agent, named in the KVTransferParams we hand out
+        self.loading: dict[str, Request] = {}  # waiting for their remote KV
+        self._held: dict[str, int] = {}  # prefill: blocks kept for a decode side -> last step
+        self._skip_zero_block_ids: set[int] = set()
+        self.blocks_skipped = 0
+        self.num_failed_loads = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -59,7 +89,7 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.req_id in self.requests or req.req_id in self._pending_ids:
+        if req.req_id in self.requests or req.req_id in self._pending_ids or req.req_id in self._held:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         if not req.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -88,7 +118,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._needs_polling()
+                    or (self.connector is not None and self.connector.has_pending_meta))
 
     # -- scheduling -------------------------------------------------------------------
 
@@ -128,10 +159,21 @@ class Scheduler:
             req = self.waiting[0]
             if req.last_step > self._last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
-            hit = 0 if req.resumed else self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
+            if req.resumed or req.load_done:
+                hit, fresh_hit = req.num_computed_tokens, 0  # its blocks are already its own
+            else:
+                hit = fresh_hit = self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
+            external = 0
+            if self.connector is not None and not req.load_done:
+                external, _ = self.connector.get_num_new_matched_tokens(req.kv_transfer_params, hit)
+            if external > 0:
+                if self.kv.allocate_slots(req.req_id, hit + external, num_new_computed_tokens=fresh_hit) is None:
+                    break
+                self._start_remote_load(req, hit, external, step)
+                continue
             req.num_computed_tokens = hit
             n = min(self._num_new_tokens(req), budget)
-            if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=hit) is None:
+            if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=fresh_hit) is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -145,11 +187,31 @@ class Scheduler:
             self._commit(req, n, step, tokens)
             budget -= n
 
-        if not tokens:
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        if not tokens and meta is None and not self._needs_polling():
             return None
         self._next_step += 1
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero())
+        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(), meta)
+
+    def _needs_polling(self) -> bool:
+        """Transfers in flight only report through a step's result, so keep stepping."""
+        return bool(self.loading or self._held)
+
+    def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
+        """The fix (DESIGN.md §1): the blocks this load fills stay out of the zero list."""
+        assert self.connector is not None and req.kv_transfer_params is not None
+        self.waiting.popleft()
+        req.num_computed_tokens = hit
+        req.num_external_tokens = external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.last_step = step  # this step ships the load and the zero list touching its blocks
+        self.loading[req.req_id] = req
+        assert self.disagg is not None
+        if not self.disagg.debug_zero_loaded_blocks:
+            self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
+        self.connector.update_state_after_alloc(req.req_id, req.kv_transfer_params,
+                                                self.kv.get_block_ids(req.req_id), hit, external)
 
     def _num_new_tokens(self, req: Request) -> int:
         if req.num_expected_outputs >= req.sampling.max_tokens:
@@ -182,14 +244,19 @@ class Scheduler:
         req.resumed = True
         self.waiting.appendleft(req)
         self.num_preemptions += 1
-        return self._release(req)
+        return self._release(req.req_id, req.last_step)
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
+        """This step's new attention blocks minus those a remote load covers; the skip set
+        only ever edits the list being built, never one already shipped."""
         ids = self.kv.take_new_block_ids()
-        if not ids or not self.kv.needs_zeroing:
+        skip, self._skip_zero_block_ids = self._skip_zero_block_ids, set()
+        if not self.kv.needs_zeroing:
             return None
-        self.blocks_zeroed += len(ids)
-        return ids
+        kept = [b for b in ids if b not in skip]
+        self.blocks_zeroed += len(kept)
+        self.blocks_skipped += len(ids) - len(kept)
+        return kept or None
 
     # -- results ----------------------------------------------------------------------
 
@@ -204,6 +271,9 @@ class Scheduler:
             if req is None or req.finished:
                 continue  # finished while this step ran: the token is surplus
             req.num_placeholders -= 1
+            if req.do_remote_decode:
+                outputs.append(self._hand_over(req))
+                continue
             req.output_token_ids.append(token)
             if req.sampling.logprobs and req_id in result.logprobs:
                 req.output_logprobs.append(result.logprobs[req_id])
@@ -211,36 +281,95 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(self._output(req))
+        for req_id in result.finished_recving:
+            outputs.extend(self._load_finished(req_id, None))
+        for req_id, bad in result.failed_loads.items():
+            outputs.extend(self._load_finished(req_id, bad))
+        if self.connector is not None:
+            for req_id in [*result.finished_sending, *self.connector.expired()]:
+                self.connector.release(req_id)
+                if req_id in self._held:
+                    self._release(req_id, self._held.pop(req_id))
         self._release_fenced()
         return outputs
+
+    def _hand_over(self, req: Request) -> RequestOutput:
+        """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
+        assert self.connector is not None and self.disagg is not None
+        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.agent_name,
+                                                 self.kv.get_block_ids(req.req_id), req.num_prompt_tokens)
+        self._held[req.req_id] = req.last_step
+        self._finish(req, "length", keep_blocks=True)
+        out = self._output(req)
+        return dataclasses.replace(out, kv_transfer_params=params.to_dict())
+
+    def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> list[RequestOutput]:
+        req = self.loading.pop(req_id, None)
+        if req is None:
+            return []
+        if req.finished:  # aborted while its pages were being written: free them now
+            self._release(req.req_id, req.last_step)
+            return []
+        req.load_done = True
+        req.status = RequestStatus.WAITING
+        if bad_blocks is None:
+            req.num_computed_tokens += req.num_external_tokens
+        else:
+            self.num_failed_loads += 1
+            assert self.disagg is not None
+            if self.disagg.load_failure_policy == "fail":
+                req.error = f"KV transfer from prefill engine failed for blocks {sorted(bad_blocks)}"
+                self._finish(req, "error")
+                return [self._output(req)]
+            valid = self._valid_prefix(req, set(bad_blocks))
+            self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2: zeroed before recompute
+            req.num_computed_tokens = valid
+        self.waiting.appendleft(req)
+        return []
+
+    def _valid_prefix(self, req: Request, bad: set[int]) -> int:
+        """Tokens still good after a partial load failure: up to the first invalid attention
+        block. A hybrid model keeps none: its Mamba state exists only at the prompt's end."""
+        if self.kv.needs_zeroing:
+            return 0
+        end = req.num_computed_tokens + req.num_external_tokens
+        for group, ids in zip(self.kv.groups, self.kv.get_block_ids(req.req_id)):
+            if group.kind == "attention":
+                first_bad = next((i for i, b in enumerate(ids) if b in bad), len(ids))
+                end = min(end, first_bad * self.kv.block_size)
+        return end
 
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req.num_emitted:]
         logprobs = req.output_logprobs[req.num_emitted:] if req.sampling.logprobs else None
         req.num_emitted = len(req.output_token_ids)
         return RequestOutput(req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens,
-                             len(req.output_token_ids))
+                             len(req.output_token_ids), req.error)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if self.connector is not None and req.kv_transfer_params is not None and not req.load_done:
+                self.connector.notify_abandoned(req.kv_transfer_params)  # never read: free it now
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self._release(req)
+        # A load in flight may still write the blocks: they are freed when it ends.
+        if not keep_blocks and req.req_id not in self.loading:
+            self._release(req.req_id, req.last_step)
         del self.requests[req.req_id]
         if req.known_to_workers:
             self._finished_for_workers.append(req.req_id)
 
-    def _release(self, req: Request) -> bool:
+    def _release(self, req_id: str, last_step: int) -> bool:
         """Free the request's blocks now if no step in flight uses them, else at the fence."""
-        if req.last_step <= self._last_reported:
-            self.kv.free(req.req_id)
+        if last_step <= self._last_reported:
+            self.kv.free(req_id)
             return True
-        if req.req_id not in self._pending_ids:
-            self._pending_free.append((req.last_step, req.req_id))
-            self._pending_ids.add(req.req_id)
+        if req_id not in self._pending_ids:
+            self._pending_free.append((last_step, req_id))
+            self._pending_ids.add(req_id)
         return False
 
     def _release_fenced(self) -> None:

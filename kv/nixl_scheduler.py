@@ -1,0 +1,118 @@
+"""The scheduler half of the NIXL connector.
+
+Decode side: it grants the tokens a request's KV transfer supplies (always asynchronously:
+the READ runs on UCX's own progress, outside the compute stream), remembers which local
+blocks each load fills, and ships the loads to the workers in the step's metadata.
+Prefill side: when a request's prompt is computed it describes where the KV lives
+(`KVTransferParams`) and keeps the blocks until the decode side has read them (its NIXL
+notification) or a lease expires, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kv.transfer_params import KVTransferParams
+from models.batch import CacheGroup
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Read `params.remote_block_ids` into `block_ids` (local, one list per cache group)."""
+
+    req_id: str
+    params: KVTransferParams
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorMetadata:
+    loads: tuple[LoadSpec, ...] = ()
+    # (prefill agent, request id): tell a prefill side its blocks will never be read, so it
+    # frees them now instead of at lease expiry (the decode side aborted or rejected).
+    notify: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(slots=True)
+class _Lease:
+    deadline: float
+    params: KVTransferParams = field(repr=False)
+
+
+class NixlSchedulerConnector:
+    def __init__(self, groups: Sequence[CacheGroup], block_size: int, lease_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.groups = tuple(groups)
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.clock = clock
+        self._loads: list[LoadSpec] = []
+        self._notify: list[tuple[str, str]] = []
+        self._leases: dict[str, _Lease] = {}
+
+    # -- decode side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, params: KVTransferParams | None, num_local_computed: int) -> tuple[int, bool]:
+        """Tokens the remote KV supplies beyond the local prefix-cache hit, and whether they
+        load asynchronously (they always do: the request waits for the transfer)."""
+        if params is None:
+            return 0, False
+        return max(0, params.num_tokens - num_local_computed), True
+
+    def update_state_after_alloc(self, req_id: str, params: KVTransferParams, block_ids: Sequence[Sequence[int]],
+                                 num_local_computed: int, num_external: int) -> None:
+        """Plan the READ of tokens [local, local + external) into the request's blocks. A local
+        hit is block aligned, so the remote blocks before it are skipped block for block."""
+        first = num_local_computed // self.block_size
+        last = -(-(num_local_computed + num_external) // self.block_size)
+        local, remote = [], []
+        for group, mine, theirs in zip(self.groups, block_ids, params.remote_block_ids):
+            if group.kind == "attention":
+                local.append(tuple(mine[first:last]))
+                remote.append(tuple(theirs[first:last]))
+            else:  # the state slot: one page, after the remote's last computed token
+                local.append(tuple(mine[:1]))
+                remote.append(tuple(theirs[:1]))
+        sliced = dataclasses.replace(params, remote_block_ids=tuple(remote))
+        self._loads.append(LoadSpec(req_id, sliced, tuple(local)))
+
+    def notify_abandoned(self, params: KVTransferParams) -> None:
+        self._notify.append((params.remote_agent_name, params.request_id))
+
+    def build_connector_meta(self) -> ConnectorMetadata | None:
+        if not self._loads and not self._notify:
+            return None
+        meta = ConnectorMetadata(tuple(self._loads), tuple(self._notify))
+        self._loads, self._notify = [], []
+        return meta
+
+    @property
+    def has_pending_meta(self) -> bool:
+        return bool(self._loads or self._notify)
+
+    # -- prefill side -----------------------------------------------------------------
+
+    def request_finished(self, req_id: str, engine_id: str, agent_name: str, block_ids: Sequence[Sequence[int]],
+                         num_tokens: int) -> KVTransferParams:
+        """Describe the computed prompt for the decode side and start the blocks' lease."""
+        params = KVTransferParams(engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id)
+        self._leases[req_id] = _Lease(self.clock() + self.lease_s, params)
+        return params
+
+    def release(self, req_id: str) -> bool:
+        """The decode side has read (or abandoned) the blocks; True if a lease was held."""
+        return self._leases.pop(req_id, None) is not None
+
+    def expired(self) -> list[str]:
+        now = self.clock()
+        gone = [r for r, lease in self._leases.items() if lease.deadline <= now]
+        for r in gone:
+            del self._leases[r]
+        return gone
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,70 @@
+"""Where a prefill engine left a request's KV: the message a decode engine needs to pull it.
+
+The prefill engine answers a request with these parameters; they travel through the
+ingress as JSON (HTTP body, Ray call) to the decode engine, whose connector READs the
+pages. Because the dict may come from an untrusted client, `from_dict` checks every field
+and its type and refuses unknown keys; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    remote_engine_id: str
+    remote_agent_name: str  # the prefill worker's NIXL agent, also where the notification goes
+    remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per cache group, prefill-side ids
+    num_tokens: int  # tokens whose KV / state the transfer supplies
+    request_id: str  # the prefill side's id: the notification names it so its blocks are freed
+
+    def __post_init__(self) -> None:
+        for name in ("remote_engine_id", "remote_agent_name", "request_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not _is_int(self.num_tokens) or self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {self.num_tokens!r}")
+        if not isinstance(self.remote_block_ids, tuple) or not all(
+            isinstance(group, tuple) and all(_is_int(b) and b >= 0 for b in group) for group in self.remote_block_ids
+        ):
+            raise ValueError(f"remote_block_ids must be tuples of non-negative ints, got {self.remote_block_ids!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (lists, not tuples)."""
+        return {
+            "remote_engine_id": self.remote_engine_id,
+            "remote_agent_name": self.remote_agent_name,
+            "remote_block_ids": [list(group) for group in self.remote_block_ids],
+            "num_tokens": self.num_tokens,
+            "request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
+        """Parse and validate; raises ValueError naming the first bad field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
+        expected = {f.name for f in fields(cls)}
+        if missing := expected - data.keys():
+            raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")
+        if unknown := data.keys() - expected:
+            raise ValueError(f"kv_transfer_params has unknown fields {sorted(map(str, unknown))}")
+        groups = data["remote_block_ids"]
+        if not isinstance(groups, list | tuple) or not all(isinstance(g, list | tuple) for g in groups):
+            raise ValueError(f"remote_block_ids must be a list of lists, got {groups!r}")
+        return cls(
+            remote_engine_id=data["remote_engine_id"],
+            remote_agent_name=data["remote_agent_name"],
+            remote_block_ids=tuple(tuple(g) for g in groups),
+            num_tokens=data["num_tokens"],
+            request_id=data["request_id"],
+        )
+
+
+def _is_int(value: object) -> bool:
+    # JSON true/false parse to bool, which is an int subclass; a block id is never a bool.
+    return isinstance(value, int) and not isinstance(value, bool)
