@@ -19,6 +19,7 @@ from typing import Any
 from actors.messages import (
     EngineOverloadedError,
     EngineStats,
+    InvalidRequestError,
     ModelRunnerOutput,
     RequestOutput,
     SamplingParams,

@@ -129,13 +129,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     model = _CLASSES[cfg.architecture](cfg)
     _assign(model, *_read_weights(path), cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
-    gen_path = path / "generation_config.json"
+    generation, eos = load_generation_config(path, cfg)
+    return LoadedModel(model, cfg, tokenizer, eos, generation, _chat_template(path))
+
+
+def load_generation_config(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, Any] | None, int | None]:
+    """`generation_config.json` if present, and the EOS id (it overrides config.json's)."""
+    gen_path = Path(model_dir) / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else None
     eos = cfg.eos_token_id
     if generation and generation.get("eos_token_id") is not None:
         e = generation["eos_token_id"]
         eos = e[0] if isinstance(e, list) else e
-    return LoadedModel(model, cfg, tokenizer, eos, generation, _chat_template(path))
+    return generation, eos
 
 
 def save_model(model: nn.Module, hf_config: dict[str, Any], out_dir: str | Path) -> None:
