@@ -4,12 +4,14 @@ layout, and the workers themselves, in-process or as Ray actors."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+from typing import Literal
 
 from tokenizers import Tokenizer
 
 from actors.engine import EngineCore, StepExecutor
-from actors.scheduler import Scheduler, SchedulerConfig
+from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
 from actors.worker import Worker
 from kv.cache_layout import CacheLayout
@@ -17,30 +19,47 @@ from kv.kv_cache_manager import KVCacheManager
 from models.loader import load_config, load_generation_config
 from serve.config import Config
 
+log = logging.getLogger(__name__)
 
-def worker_kwargs(cfg: Config) -> dict[str, object]:
+
+Role = Literal["colocated", "prefill", "decode"]
+
+
+def worker_kwargs(cfg: Config, role: Role = "colocated", engine_id: str = "") -> dict[str, object]:
     return dict(dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.resolved_device,
                 block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
-                seed=cfg.seed)
+                seed=cfg.seed, stream_delay_s=cfg.debug_stream_delay_ms / 1000, kv_role=role, engine_id=engine_id,
+                kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0)
 
 
-def make_scheduler(cfg: Config, layout: CacheLayout) -> Scheduler:
+def disagg_config(cfg: Config, role: Role, engine_id: str) -> DisaggConfig | None:
+    if role == "colocated":
+        return None
+    if cfg.debug_zero_loaded_blocks and role == "decode":
+        log.warning("DEBUG --debug-zero-loaded-blocks is ON in %s: blocks filled by remote KV loads are zeroed "
+                    "(the pre-fix behaviour); outputs can be wrong", engine_id)
+    return DisaggConfig(role, engine_id, float(cfg.kv_lease_s), cfg.debug_zero_loaded_blocks,
+                        cfg.kv_load_failure_policy)
+
+
+def make_scheduler(cfg: Config, layout: CacheLayout, disagg: DisaggConfig | None = None) -> Scheduler:
     model_cfg = load_config(cfg.model)
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
     kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
     sched_cfg = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
-    return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len))
+    return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len), disagg)
 
 
-def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor]) -> EngineCore:
+def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor],
+                disagg: DisaggConfig | None = None) -> EngineCore:
     _, eos = load_generation_config(cfg.model, load_config(cfg.model))
-    return EngineCore(make_scheduler(cfg, layout), executors, cfg.async_scheduling, eos, cfg.max_waiting)
+    return EngineCore(make_scheduler(cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting)
 
 
-def build_local_engine(cfg: Config, stream_delay_s: float = 0.0) -> tuple[EngineCore, Worker]:
+def build_local_engine(cfg: Config) -> tuple[EngineCore, Worker]:
     """Scheduler and one worker in this process: the same classes as the Ray deployment."""
-    worker = Worker(cfg.model, stream_delay_s=stream_delay_s, **worker_kwargs(cfg))  # type: ignore[arg-type]
+    worker = Worker(cfg.model, **worker_kwargs(cfg))  # type: ignore[arg-type]
 
     def run(out):  # type: ignore[no-untyped-def]
         return asyncio.wrap_future(worker.execute_model(out))

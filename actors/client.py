@@ -25,14 +25,14 @@ _POLL_TIMEOUT_S = 1.0
 class EngineCalls:
     """How to reach an engine: three coroutines, local or remote."""
 
-    add_request: Callable[[str, list[int], SamplingParams], Awaitable[None]]
+    add_request: Callable[..., Awaitable[None]]
     abort: Callable[[str], Awaitable[None]]
     get_outputs: Callable[[float], Awaitable[list[RequestOutput]]]
 
     @classmethod
     def local(cls, core: Any) -> EngineCalls:
-        async def add(req_id: str, ids: list[int], sp: SamplingParams) -> None:
-            core.add_request(req_id, ids, sp)
+        async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
+            core.add_request(req_id, ids, sp, **kw)
 
         async def abort(req_id: str) -> None:
             core.abort(req_id)
@@ -41,8 +41,8 @@ class EngineCalls:
 
     @classmethod
     def remote(cls, handle: Any) -> EngineCalls:
-        async def add(req_id: str, ids: list[int], sp: SamplingParams) -> None:
-            await handle.add_request.remote(req_id, ids, sp)
+        async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
+            await handle.add_request.remote(req_id, ids, sp, **kw)
 
         async def abort(req_id: str) -> None:
             await handle.abort.remote(req_id)
@@ -61,16 +61,19 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._poller: asyncio.Task[None] | None = None
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                       req_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, req_id: str | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       do_remote_decode: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish reason. Leaving the
-        iteration early (a client went away) aborts the request so its blocks are freed."""
+        iteration early (a client went away) aborts the request so its blocks are freed.
+        The last two arguments are the disaggregation hand-over (see EngineCore.add_request)."""
         req_id = req_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req_id] = queue
         finished = False
         try:
-            await self.calls.add_request(req_id, prompt_token_ids, sampling)
+            await self.calls.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params=kv_transfer_params,
+                                         do_remote_decode=do_remote_decode)
             self._ensure_poller()
             while not finished:
                 out = await queue.get()

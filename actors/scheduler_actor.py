@@ -11,28 +11,41 @@ from typing import Any
 
 import ray
 
-from actors.build import make_engine, worker_kwargs
+from actors.build import Role, disagg_config, make_engine, worker_kwargs
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 from actors.worker_actor import RemoteWorker
+from kv.nixl_worker import PeerInfo
 from serve.config import Config
 
 
 class SchedulerActor:
-    def __init__(self, config: dict[str, Any], role: str = "colocated", stream_delay_s: float = 0.0) -> None:
+    def __init__(self, config: dict[str, Any], role: Role = "colocated", engine_id: str = "engine-0") -> None:
         self.config = Config.from_dict(config)
         self.role = role
+        self.engine_id = engine_id
         self.workers = [
             RemoteWorker.remote(self.config.model, num_threads=self.config.worker_threads,
-                                stream_delay_s=stream_delay_s, **worker_kwargs(self.config))
+                                **worker_kwargs(self.config, role, engine_id))
         ]
         layout = ray.get(self.workers[0].layout.remote())
-        self.core = make_engine(self.config, layout, [w.execute_model.remote for w in self.workers])
+        disagg = disagg_config(self.config, role, engine_id)
+        self.core = make_engine(self.config, layout, [w.execute_model.remote for w in self.workers], disagg)
+        if role == "prefill":
+            self.core.scheduler.agent_name = ray.get(self.workers[0].nixl_peer.remote()).agent_name
 
     async def ready(self) -> bool:
         return True
 
-    async def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self.core.add_request(req_id, prompt_token_ids, sampling)
+    async def nixl_peers(self) -> list[PeerInfo]:
+        """This engine's workers as NIXL peers, for the decode engines to read from."""
+        return list(await asyncio.gather(*(w.nixl_peer.remote() for w in self.workers)))
+
+    async def add_nixl_peers(self, peers: list[PeerInfo]) -> None:
+        await asyncio.gather(*(w.add_nixl_peer.remote(p) for w in self.workers for p in peers))
+
+    async def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                          kv_transfer_params: dict[str, Any] | None = None, do_remote_decode: bool = False) -> None:
+        self.core.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params, do_remote_decode)
 
     async def abort(self, req_id: str) -> None:
         self.core.abort(req_id)

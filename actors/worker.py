@@ -10,6 +10,7 @@ step is still sampling, which only the worker knows.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from actors.messages import (
 )
 from actors.sampler import Sampler
 from kv.cache_layout import CacheLayout, allocate_caches, plan_layout
+from kv.nixl_worker import NixlWorkerConnector
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_model
@@ -62,6 +64,9 @@ class Worker:
         kv_cache_memory: int | None = None,
         seed: int = 0,
         stream_delay_s: float = 0.0,
+        kv_role: str = "colocated",
+        engine_id: str = "",
+        kv_fail_fraction: float = 0.0,
     ) -> None:
         self.device = torch.device(device)
         loaded = load_model(model_dir, dtype=parse_dtype(dtype), device=self.device)
@@ -76,6 +81,11 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None
         self._stream = ComputeStream(self.device, stream_delay_s)
+        # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
+        # decode worker reads. `kv_fail_fraction` is the tests' fault injection.
+        self.connector = (None if kv_role == "colocated" else NixlWorkerConnector(
+            engine_id, self.buffers, self._layout.page_bytes, self._layout.num_blocks,
+            fail_fraction=kv_fail_fraction, fail_seed=seed))
 
     @property
     def layout(self) -> CacheLayout:
@@ -87,13 +97,38 @@ class Worker:
         if self._last_step is not None and out.step_id <= self._last_step:
             raise ValueError(f"step {out.step_id} submitted after step {self._last_step}: steps must be in order")
         self._last_step = out.step_id
+        self._start_transfers(out)
         return self._stream.submit(self._step, out)
+
+    def _start_transfers(self, out: SchedulerOutput) -> None:
+        """Post the step's KV loads now, not on the compute stream: they complete on UCX's own
+        progress, possibly before this step's zeroing (queued behind the forward in flight)
+        runs. That is the race the scheduler's skip set exists for."""
+        meta = out.kv_connector_meta
+        if meta is None:
+            return
+        if self.connector is None:
+            raise ValueError(f"step {out.step_id} carries KV transfers but this worker has no connector")
+        for agent, req_id in meta.notify:
+            self.connector.send_notif(agent, req_id)
+        for load in meta.loads:
+            self.connector.start_load(load.req_id, load.params, load.block_ids)
+
+    def with_finished_transfers(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Add the transfers that ended since the last step to a step's result."""
+        if self.connector is None:
+            return result
+        done = self.connector.get_finished()
+        return dataclasses.replace(result, finished_sending=sorted(done.done_sending),
+                                   finished_recving=sorted(done.done_recving), failed_loads=done.failed)
 
     def execute_model_sync(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model(out).result()
 
     def close(self) -> None:
         self._stream.close()
+        if self.connector is not None:
+            self.connector.close()
 
     @torch.inference_mode()
     def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -20,6 +20,7 @@ import torch
 from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker import Worker
 from kv.cache_layout import CacheLayout
+from kv.nixl_worker import PeerInfo
 
 # Room for two steps (one running, one queued behind it) plus control calls and a step that
 # arrived early and waits for its predecessor.
@@ -61,7 +62,18 @@ class WorkerActor:
         self._next_step = out.step_id + 1
         async with self._turn:
             self._turn.notify_all()
-        return await asyncio.wrap_future(future)
+        return self._worker.with_finished_transfers(await asyncio.wrap_future(future))
+
+    def nixl_peer(self) -> PeerInfo:
+        """What a decode worker needs to READ from this one (exchanged through Ray)."""
+        if self._worker.connector is None:
+            raise RuntimeError("a colocated worker has no NIXL agent")
+        return self._worker.connector.metadata()
+
+    def add_nixl_peer(self, info: PeerInfo) -> None:
+        if self._worker.connector is None:
+            raise RuntimeError("a colocated worker has no NIXL agent")
+        self._worker.connector.add_peer(info)
 
     def shutdown(self) -> None:
         self._worker.close()

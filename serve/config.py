@@ -25,6 +25,7 @@ import yaml
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
+FailurePolicy = Literal["recompute", "fail"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 ENV_PREFIX = "RAYPD_"
@@ -76,6 +77,11 @@ class Config:
     tensor_parallel_size: int = _f(1, "worker actors per engine", lo=1)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
     address: str | None = _f(None, "Ray cluster address; default: start a local cluster")
+    kv_load_failure_policy: FailurePolicy = _f("recompute", "a failed KV load: recompute the prompt, or fail the request")
+    kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
+    debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")
+    debug_kv_fail_percent: int = _f(0, "TESTS: percent of KV loads made to fail", lo=0, hi=100)
+    debug_stream_delay_ms: int = _f(0, "TESTS: delay before each compute-stream job, to make it lag", lo=0)
     log_level: LogLevel = _f("INFO", "logging level")
 
     def __post_init__(self) -> None:
