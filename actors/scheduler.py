@@ -141,17 +141,14 @@ class Scheduler:
             n = min(self._num_new_tokens(req), budget)
             if n <= 0:
                 continue
-            before = [len(b) for b in self.kv.get_block_ids(req.req_id)]
-            while self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+            while (new_ids := self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
                 victim = self._pick_victim(req, tokens)
                 freed_now = self._preempt(victim)
                 preempted = True
                 if victim is req or not freed_now:
                     break  # fenced blocks come back when the step in flight reports
             else:
-                after = self.kv.get_block_ids(req.req_id)
-                cached.append(CachedRequestData(req.req_id, req.num_computed_tokens,
-                                                [ids[k:] for ids, k in zip(after, before)]))
+                cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
                 self._commit(req, n, step, tokens)
                 budget -= n
 
@@ -225,7 +222,8 @@ class Scheduler:
         req.resumed = False
         if req.num_computed_tokens == req.num_tokens_with_placeholders:
             req.num_placeholders += 1  # this step samples its next token
-        self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
+        if self.kv.enable_prefix_caching:
+            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:
         """The lowest-priority running request not already in this step (possibly `req`)."""

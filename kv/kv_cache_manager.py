@@ -109,13 +109,13 @@ class KVCacheManager:
 
     def allocate_slots(
         self, req_id: str, num_tokens_total: int, num_new_computed_tokens: int = 0
-    ) -> list[int] | None:
+    ) -> tuple[list[int], ...] | None:
         """Make `req_id` own blocks for `num_tokens_total` tokens in every group.
 
         `num_new_computed_tokens` is the prefix hit just returned by
         `get_computed_blocks` (0 to take none); it must be block aligned. Returns the
-        ids newly taken from the pool (all groups, group order; prefix hits excluded,
-        use `get_block_ids` for whole tables), or None, changing nothing, when the pool
+        ids newly taken from the pool, one list per group (prefix hits excluded, use
+        `get_block_ids` for whole tables), or None, changing nothing, when the pool
         cannot satisfy the request.
         """
         if num_tokens_total < num_new_computed_tokens:
@@ -138,14 +138,14 @@ class KVCacheManager:
             manager = self.managers[group_id]
             assert isinstance(manager, FullAttentionManager)
             manager.add_cached_blocks(req_id, blocks)
-        new_ids: list[int] = []
+        new_ids: list[list[int]] = []
         for manager in self.managers:
             ids = [b.block_id for b in manager.allocate_new_blocks(req_id, num_tokens_total)]
             if manager.records_new_block_ids:
                 # Prefix hits never get here: their content is valid and must stay.
                 self._pending_zero.update(dict.fromkeys(ids, req_id))
-            new_ids.extend(ids)
-        return new_ids
+            new_ids.append(ids)
+        return tuple(new_ids)
 
     def _take_hit_blocks(self, req_id: str, num_tokens: int) -> dict[int, list[KVBlock]]:
         """The cached blocks covering the first `num_tokens` tokens, per attention

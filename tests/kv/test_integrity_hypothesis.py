@@ -45,7 +45,7 @@ class KVLifecycle(RuleBasedStateMachine):
         after = self.kv.get_block_ids(req_id)
         first_new = [max(len(b), hit // self.block_size) for b in before]
         fresh = [after[g][first_new[g] :] for g in range(len(self.groups))]
-        assert new_ids == [i for ids in fresh for i in ids]
+        assert list(new_ids) == fresh
         for g in self.attention:
             self.expected_zero.update(dict.fromkeys(fresh[g], req_id))
         return True

@@ -12,6 +12,11 @@ ATT2 = CacheGroup("attention", (2,))
 MAMBA = CacheGroup("mamba", (1,))
 
 
+def flat(per_group):
+    """allocate_slots' new ids, all groups in group order."""
+    return [b for ids in per_group for b in ids]
+
+
 def make(groups=(ATT, MAMBA), num_blocks: int = 10, block_size: int = 2, caching: bool = False):
     return KVCacheManager(list(groups), num_blocks, block_size, caching)
 
@@ -22,7 +27,7 @@ def make(groups=(ATT, MAMBA), num_blocks: int = 10, block_size: int = 2, caching
 )
 def test_allocation_covers_tokens_in_every_group(block_size, num_tokens, num_attention_blocks):
     kv = make(num_blocks=10, block_size=block_size)
-    new_ids = kv.allocate_slots("a", num_tokens)
+    new_ids = flat(kv.allocate_slots("a", num_tokens))
     att, mamba = kv.get_block_ids("a")
     assert len(att) == num_attention_blocks and len(mamba) == 1
     assert new_ids == att + mamba
@@ -33,9 +38,9 @@ def test_allocation_covers_tokens_in_every_group(block_size, num_tokens, num_att
 
 def test_growing_returns_only_new_blocks_and_mamba_stays_one_slot():
     kv = make()
-    first = kv.allocate_slots("a", 3)
-    assert kv.allocate_slots("a", 4) == []
-    grown = kv.allocate_slots("a", 7)
+    first = flat(kv.allocate_slots("a", 3))
+    assert flat(kv.allocate_slots("a", 4)) == []
+    grown = flat(kv.allocate_slots("a", 7))
     att, mamba = kv.get_block_ids("a")
     assert len(grown) == 2 and att[2:] == grown and len(mamba) == 1
     assert first == att[:2] + mamba
@@ -89,7 +94,7 @@ def test_second_request_reuses_the_shared_prefix(prompt_b, expected_hit):
 
     hit = kv.get_computed_blocks("b", prompt_b)
     assert hit == expected_hit
-    new_ids = kv.allocate_slots("b", len(prompt_b), hit)
+    new_ids = flat(kv.allocate_slots("b", len(prompt_b), hit))
     (a_ids,), (b_ids,) = kv.get_block_ids("a"), kv.get_block_ids("b")
     num_hit_blocks = hit // 2
     assert b_ids[:num_hit_blocks] == a_ids[:num_hit_blocks]
@@ -118,7 +123,7 @@ def test_hit_on_free_cached_blocks_counts_them_as_taken_and_evicts_a_tail():
     # 5 blocks: 3 hits + 2 new. Four are free, but three of them are the hits.
     assert kv.allocate_slots("b", 10, hit) is None
     assert kv.num_free_blocks == 4
-    assert kv.allocate_slots("b", 8, hit) == [3]
+    assert flat(kv.allocate_slots("b", 8, hit)) == [3]
     assert kv.pool.blocks[3].block_hash is None  # evicted: its hash left the map
     assert kv.get_block_ids("b") == ([0, 1, 2, 3],)
     assert kv.take_new_block_ids() == [3]
