@@ -47,7 +47,8 @@ class KVTransferParams:
     def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
         """Parse and validate; raises ValueError naming the first bad field."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
+            # ValueError like every other bad field: callers answer it with HTTP 400.
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")  # noqa: TRY004
         expected = {f.name for f in fields(cls)}
         if missing := expected - data.keys():
             raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")

@@ -1,0 +1,347 @@
+"""The worker half of the NIXL connector: a decode worker pulls a request's pages from a
+prefill worker with NIXL READ, and the prefill worker learns when they have been read.
+
+Memory. A KV cache is a list of byte buffers `[num_blocks, page_bytes]` (kv/cache_layout.py);
+block b is row b of every buffer, so a block is one page per buffer. Buffers are registered
+once, and one descriptor per (buffer, block) page is prepared once, locally and per peer:
+index = buffer * num_blocks + block. A load is then two index lists.
+
+Completion. A READ's bytes land outside the compute stream, while it runs other steps
+(UCX moves them; on one host cma reads the peer's memory directly). Nothing here waits
+for that stream; the scheduler keeps loaded blocks out of the zero list (DESIGN.md §1).
+The READ carries a notification naming the prefill request id, sent once the decode side
+sees the READ done; the prefill side reports it in `done_sending` and frees the blocks.
+A failed or abandoned (`send_notif`) load notifies too, so no prefill block is stranded;
+one id may thus be notified twice (an errored READ whose own notification got through),
+and the prefill side ignores ids it no longer holds. If the peer is gone, its lease frees
+the blocks.
+
+Progress. A READ completes only with UCX progress on BOTH sides: without the prefill
+side's it stays in progress for ever although its bytes have landed, and an idle prefill
+worker makes no calls. NIXL's progress thread would do it but spins without pause (1.5.1
+hard-codes a zero delay): a core per agent, idle or not, halving the transfer rate on a
+small machine. So it stays off and a thread of ours polls every `poll_interval_s` (about
+2% of a core at 1 ms); with None, the caller's `get_finished` calls are the only progress.
+
+UCX. On one host no variables are needed: the bundled UCX 1.23 picks tcp on `lo` plus cma
+(UCX_LOG_LEVEL=info shows it). Across hosts or network namespaces set UCX_TLS=tcp and
+UCX_NET_DEVICES in the worker's environment; the connector sets none.
+
+Fault injection (tests; off by default). With probability `fail_fraction` (seeded, one
+draw per `start_load`) a load READs only the first half, rounded down, of each group's
+blocks, notifying as usual; the rest keep their old bytes and are reported in `failed`,
+as a transfer that broke off would leave them. A one-block group (a Mamba state) is not
+read at all; if nothing is read, no transfer is posted and the notification goes alone.
+
+Threads. Without a listener thread NIXL's own thread sync is off, and the poller, the
+actor thread and the compute-stream thread may all call in: one lock serialises them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv.nixl_shim import NIXL_ERRORS, nixl_agent, nixl_agent_config
+from kv.transfer_params import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What a peer needs to READ from this worker; the caller passes it through Ray."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes = field(repr=False)  # NIXL's own serialisation, not a pickle
+    base_addrs: tuple[int, ...]  # one per buffer
+    page_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+
+
+@dataclass(slots=True)
+class FinishedTransfers:
+    """What finished since the last poll. A load is in exactly one of done_recving and failed."""
+
+    done_sending: set[str] = field(default_factory=set)  # prefill side: request ids read (or abandoned)
+    done_recving: set[str] = field(default_factory=set)  # decode side: loads complete
+    failed: dict[str, list[int]] = field(default_factory=dict)  # decode side: local blocks left invalid
+
+
+@dataclass(slots=True)
+class _Peer:
+    info: PeerInfo
+    descs: Any  # the prepared remote descriptor list
+
+
+@dataclass(slots=True)
+class _Load:
+    remote_agent: str
+    remote_req_id: str
+    block_ids: list[int]  # every local block the load writes, in group order
+    skipped: list[int]  # local blocks left unread: reported as failed
+    handle: Any = None  # None when nothing is in flight
+
+
+def _page_descs(base_addrs: Sequence[int], page_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
+    """Rows (address, length, device) of every page, buffer by buffer."""
+    offsets = np.arange(num_blocks, dtype=np.uint64) * np.uint64(page_bytes)
+    rows = np.empty((len(base_addrs) * num_blocks, 3), dtype=np.uint64)
+    for i, base in enumerate(base_addrs):
+        rows[i * num_blocks : (i + 1) * num_blocks, 0] = np.uint64(base) + offsets
+    rows[:, 1] = page_bytes
+    rows[:, 2] = device_id
+    return rows
+
+
+class NixlWorkerConnector:
+    def __init__(
+        self,
+        engine_id: str,
+        buffers: list[torch.Tensor],
+        page_bytes: int,
+        num_blocks: int,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        poll_interval_s: float | None = 0.001,
+        fail_fraction: float = 0.0,
+        fail_seed: int = 0,
+    ) -> None:
+        if not buffers:
+            raise ValueError("the connector needs at least one buffer")
+        device = buffers[0].device
+        for i, buf in enumerate(buffers):
+            if buf.dtype != torch.uint8 or buf.shape != (num_blocks, page_bytes) or not buf.is_contiguous():
+                raise ValueError(f"buffer {i} must be a contiguous uint8 [{num_blocks}, {page_bytes}] tensor, "
+                                 f"got {buf.dtype} {tuple(buf.shape)}")
+            if buf.device != device:
+                raise ValueError(f"buffer {i} is on {buf.device}, buffer 0 on {device}")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"NIXL registers CPU or CUDA memory, not {device.type}")
+        if poll_interval_s is not None and poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be positive or None, got {poll_interval_s}")
+        if not 0.0 <= fail_fraction <= 1.0:
+            raise ValueError(f"fail_fraction must be in [0, 1], got {fail_fraction}")
+        self.engine_id = engine_id
+        self.page_bytes = page_bytes
+        self.num_blocks = num_blocks
+        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}"
+        self._buffers = list(buffers)  # registered memory must outlive the registration
+        self._base_addrs = tuple(buf.data_ptr() for buf in buffers)
+        self._mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self._device_id = device.index or 0  # a CPU tensor has no index; DRAM is device 0
+        self._fail_fraction = fail_fraction
+        self._rng = random.Random(fail_seed)
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._loads: dict[str, _Load] = {}
+        self._pending = FinishedTransfers()
+        self._closed = False
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+        if missing := set(backends) - set(self._agent.backends):
+            # nixl_agent only warns about a missing plugin; without it nothing can move.
+            raise RuntimeError(f"NIXL backends {sorted(missing)} are not available")
+        self._reg = self._agent.register_memory(self._buffers)
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _page_descs(self._base_addrs, page_bytes, num_blocks, self._device_id),
+            self._mem_type)
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if poll_interval_s is not None:
+            self._poller = threading.Thread(target=self._poll_forever, args=(poll_interval_s,),
+                                            name=f"nixl-poll-{self.agent_name}", daemon=True)
+            self._poller.start()
+
+    def metadata(self) -> PeerInfo:
+        return PeerInfo(self.engine_id, self.agent_name, self._agent.get_agent_metadata(), self._base_addrs,
+                        self.page_bytes, self.num_blocks, self._mem_type, self._device_id)
+
+    def add_peer(self, info: PeerInfo) -> None:
+        """Load a peer's agent metadata and prepare its pages; adding a known peer again is a no-op."""
+        with self._lock:
+            if info.agent_name in self._peers:
+                return
+            if info.page_bytes != self.page_bytes or len(info.base_addrs) != len(self._base_addrs):
+                raise ValueError(f"peer {info.agent_name} has {len(info.base_addrs)} buffers of {info.page_bytes}B "
+                                 f"pages, this worker {len(self._base_addrs)} of {self.page_bytes}B")
+            name = self._agent.add_remote_agent(info.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name  # 1.5.1 returns bytes
+            if name != info.agent_name:
+                self._agent.remove_remote_agent(name)
+                raise ValueError(f"peer metadata names agent {name!r}, PeerInfo says {info.agent_name!r}")
+            descs = self._agent.prep_xfer_dlist(
+                name, _page_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id), info.mem_type)
+            self._peers[name] = _Peer(info, descs)
+
+    def start_load(self, req_id: str, params: KVTransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
+        """READ the request's remote blocks into `local_block_ids`, group by group, every
+        buffer; poll `get_finished` for the outcome. A group whose remote list is shorter
+        loads only that many blocks (the caller chose the blocks that cover the granted
+        tokens). Raises ValueError on a bad request; NIXL failures are reported, not raised."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the connector is closed")
+            peer = self._peers.get(params.remote_agent_name)
+            if peer is None:
+                raise ValueError(f"unknown peer {params.remote_agent_name!r}: add_peer first")
+            if req_id in self._loads:
+                raise ValueError(f"a load for {req_id!r} is already in flight")
+            pairs = self._pair(local_block_ids, params.remote_block_ids, peer.info.num_blocks)
+            kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
+            load = _Load(peer.info.agent_name, params.request_id,
+                         block_ids=[mine for group in pairs for mine, _ in group],
+                         skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k):]])
+            local = [mine for group in kept for mine, _ in group]
+            remote = [theirs for group in kept for _, theirs in group]
+            if local:
+                load.handle = self._read(peer, local, remote, params.request_id)
+                if load.handle is None:
+                    load.skipped = list(load.block_ids)
+            if load.handle is None:  # nothing in flight carries the notification
+                self._notify(load.remote_agent, load.remote_req_id)
+            self._loads[req_id] = load
+
+    def get_finished(self) -> FinishedTransfers:
+        """Loads that ended since the last call (decode side) and request ids whose pages a
+        peer has read or abandoned (prefill side)."""
+        with self._lock:
+            self._poll()
+            out, self._pending = self._pending, FinishedTransfers()
+        return out
+
+    def send_notif(self, agent_name: str, req_id: str) -> None:
+        """Tell a prefill worker it may free `req_id`'s blocks without a READ (the decode side
+        aborted or rejected the request)."""
+        with self._lock:
+            self._notify(agent_name, req_id)
+
+    def close(self) -> None:
+        """Release handles and deregister memory. Call it once no load is in flight: a READ
+        that NIXL cannot cancel would still write the buffers."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
+        with self._lock:
+            for load in self._loads.values():
+                if load.handle is not None:
+                    self._release(load.handle)
+            self._loads.clear()
+            for name, peer in self._peers.items():
+                peer.descs.release()
+                self._agent.remove_remote_agent(name)
+            self._peers.clear()
+            self._local.release()
+            self._agent.deregister_memory(self._reg)
+
+    def _poll_forever(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with self._lock:
+                self._poll()
+
+    def _poll(self) -> None:
+        """Progress UCX and move what ended into `_pending`; the caller holds the lock."""
+        for req_id, load in list(self._loads.items()):
+            state = "DONE" if load.handle is None else self._state(load.handle)
+            if state == "PROC":
+                continue
+            del self._loads[req_id]
+            if load.handle is not None:
+                self._release(load.handle)
+            if state == "ERR":
+                log.warning("KV load of %s from %s failed", req_id, load.remote_agent)
+                load.skipped = list(load.block_ids)
+                self._notify(load.remote_agent, load.remote_req_id)
+            if load.skipped:
+                self._pending.failed[req_id] = load.skipped
+            else:
+                self._pending.done_recving.add(req_id)
+        try:
+            notifs = self._agent.get_new_notifs()
+        except NIXL_ERRORS as e:
+            log.warning("NIXL notifications unavailable: %r", e)
+            return
+        for agent, msgs in notifs.items():
+            for msg in msgs:
+                try:
+                    self._pending.done_sending.add(msg.decode())
+                except UnicodeDecodeError:
+                    log.warning("ignoring a notification from %s that is no request id: %r", agent, msg[:64])
+
+    def _pair(self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
+              remote_num_blocks: int) -> list[list[tuple[int, int]]]:
+        """(local, remote) block pairs per group, validated."""
+        if len(local) != len(remote):
+            raise ValueError(f"{len(local)} local block lists for {len(remote)} remote cache groups")
+        pairs: list[list[tuple[int, int]]] = []
+        seen: set[int] = set()
+        for g, (mine, theirs) in enumerate(zip(local, remote)):
+            if len(theirs) > len(mine):
+                raise ValueError(f"group {g}: {len(theirs)} remote blocks do not fit in {len(mine)} local ones")
+            group = [(int(a), int(b)) for a, b in zip(mine, theirs)]
+            for a, b in group:
+                if not 0 <= a < self.num_blocks or not 0 <= b < remote_num_blocks:
+                    raise ValueError(f"group {g}: block pair ({a}, {b}) out of range "
+                                     f"({self.num_blocks} local, {remote_num_blocks} remote blocks)")
+                if a in seen:
+                    raise ValueError(f"local block {a} is written twice by one load")
+                seen.add(a)
+            pairs.append(group)
+        return pairs
+
+    def _draw_failure(self) -> bool:
+        return self._fail_fraction > 0.0 and self._rng.random() < self._fail_fraction
+
+    def _read(self, peer: _Peer, local: list[int], remote: list[int], notif: str) -> Any:
+        """Post the READ of these blocks' pages in every buffer; None if NIXL refused it."""
+        buffers = np.arange(len(self._base_addrs), dtype=np.int64)[:, None]
+        local_idx = (buffers * self.num_blocks + np.asarray(local)).ravel().astype(np.int32)
+        remote_idx = (buffers * peer.info.num_blocks + np.asarray(remote)).ravel().astype(np.int32)
+        try:
+            handle = self._agent.make_prepped_xfer("READ", self._local, local_idx, peer.descs, remote_idx,
+                                                   notif_msg=notif.encode())
+        except NIXL_ERRORS as e:
+            log.warning("NIXL refused a READ from %s: %r", peer.info.agent_name, e)
+            return None
+        try:
+            if self._agent.transfer(handle) != "ERR":
+                return handle
+            log.warning("NIXL could not post a READ from %s", peer.info.agent_name)
+        except NIXL_ERRORS as e:
+            log.warning("NIXL could not post a READ from %s: %r", peer.info.agent_name, e)
+        self._release(handle)
+        return None
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return self._agent.check_xfer_state(handle)
+        except NIXL_ERRORS as e:
+            log.warning("NIXL transfer state unavailable: %r", e)
+            return "ERR"
+
+    def _release(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except NIXL_ERRORS as e:
+            log.warning("NIXL could not release a transfer handle: %r", e)
+
+    def _notify(self, agent_name: str, req_id: str) -> None:
+        try:
+            self._agent.send_notif(agent_name, req_id.encode())
+        except NIXL_ERRORS as e:
+            # The peer is gone or unreachable: its lease frees the blocks.
+            log.warning("could not notify %s about %s: %r", agent_name, req_id, e)
