@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test model accuracy clean
+.PHONY: setup test model accuracy serve clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ model: setup
 
 accuracy: setup
 	$(PY) -m bench.accuracy --mode local
+
+# The shipped model on http://127.0.0.1:8000/v1 until Ctrl-C; RAYPD_* variables change the config.
+serve: setup
+	$(PY) -m serve
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,215 @@
+"""The OpenAI-compatible FastAPI app: routes, auth, streaming and disconnects.
+
+The app owns no engine: it reaches engines through a `Router`, so the same app runs in a Ray
+Serve replica (engines are actors) and in a test process (engines in-process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from actors.messages import InvalidRequestError, SamplingParams
+from api.errors import APIError, as_api_error, install_error_handlers, model_not_found, unauthorized
+from api.formats import ChatFormat, CompletionFormat, Format, usage_of
+from api.generation import Choice, Delta, start
+from api.metrics import Metrics
+from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from api.router import Router
+from api.text import TextModel
+from serve.config import Config
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DISCONNECT_POLL_S = 0.25
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+HEALTH_TIMEOUT_S = 2.0
+
+T = TypeVar("T")
+
+
+def _json(obj: BaseModel) -> Response:
+    return Response(obj.model_dump_json(), media_type="application/json")
+
+
+def _event(data: Any) -> str:
+    text = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {text}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """The result of `work`, or None (with `work` cancelled) once the client has gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
+    async with aclosing(deltas) as ds:
+        return [d async for d in ds]
+
+
+class _Server:
+    """The state the routes share."""
+
+    def __init__(self, cfg: Config, router: Router, model: TextModel) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.model = model
+        self.metrics = Metrics()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model_name:
+            raise model_not_found(name)
+
+    def completion_choices(self, body: CompletionRequest) -> list[Choice]:
+        n = body.num_choices
+        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        sampling = body.sampling(max_tokens, logprobs=body.logprobs is not None)
+        choices = []
+        for p, prompt in enumerate(body.prompts()):
+            ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.model.check_ids(ids)
+            choices += [self._choice(p * n + i, ids, sampling, i) for i in range(n)]
+        return choices
+
+    def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
+        if not body.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        prompt = self.model.render_chat([m.as_template_input() for m in body.messages])
+        ids = self.model.encode(prompt, special=False)  # the template placed any special tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # OpenAI's default for chat: whatever the context leaves
+            max_tokens = max(1, self.model.max_model_len - len(ids))
+        sampling = body.sampling(max_tokens, logprobs=bool(body.logprobs))
+        return [self._choice(i, ids, sampling, i) for i in range(body.num_choices)]
+
+    @staticmethod
+    def _choice(index: int, ids: list[int], sampling: SamplingParams, nth: int) -> Choice:
+        # Choices of one prompt must differ yet stay reproducible: each gets its own seed.
+        if nth and sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + nth)
+        return Choice(index, ids, sampling, counts_prompt=nth == 0)
+
+    async def run(self, request: Request, fmt: Format, choices: list[Choice], stream: bool,
+                  include_usage: bool) -> Response:
+        endpoint = request.url.path
+        deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
+        if stream:
+            events = self._events(endpoint, fmt, deltas, len(choices), include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            collected = await _unless_disconnected(request, _collect(deltas))
+        except asyncio.CancelledError:  # the server dropped the request: its client went away
+            self.metrics.requests.labels(endpoint, "aborted").inc()
+            raise
+        # Errors are counted where they are answered (`on_error`).
+        self.metrics.requests.labels(endpoint, "aborted" if collected is None else "success").inc()
+        if collected is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return _json(fmt.response(collected))
+
+    async def _events(self, endpoint: str, fmt: Format, deltas: AsyncIterator[Delta], num_choices: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; a client that goes away closes this generator, which aborts its requests."""
+        outcome, error = "aborted", None
+        finals: list[Delta] = []
+        try:
+            async with aclosing(deltas) as ds:
+                for chunk in fmt.opening_chunks(num_choices):
+                    yield _event(chunk)
+                async for d in ds:
+                    if d.finish_reason is not None:
+                        finals.append(d)
+                    yield _event(fmt.chunk(d))
+            if include_usage:
+                yield _event(fmt.usage_chunk(usage_of(finals)))
+            outcome = "success"
+        except Exception as e:  # the response has started: the error goes into the stream
+            error, outcome = as_api_error(e), "error"
+        finally:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+        if error is not None:
+            yield _event(error.body())
+        yield "data: [DONE]\n\n"
+
+    def on_error(self, request: Request, error: APIError) -> None:
+        if request.url.path in GENERATION_PATHS:
+            outcome = "overloaded" if error.status == 503 else "rejected" if error.status < 500 else "error"
+            self.metrics.requests.labels(request.url.path, outcome).inc()
+
+
+def _auth(key: str) -> Any:
+    async def check(authorization: str | None = Header(default=None)) -> None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise unauthorized()
+
+    return Depends(check)
+
+
+def create_app(cfg: Config, router: Router, model: TextModel | None = None) -> FastAPI:
+    """The app for `cfg`'s model, serving through `router` (closed when the app shuts down);
+    `model` defaults to loading cfg.model's tokenizer and templates."""
+    server = _Server(cfg, router, model or TextModel.load(cfg.model, cfg.max_model_len))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.close()
+
+    app = FastAPI(title="raypd", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app, server.on_error)
+    v1 = APIRouter(prefix="/v1", dependencies=[_auth(cfg.api_key)] if cfg.api_key else [])
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return _json(ModelList(data=[ModelCard(id=cfg.model_name, max_model_len=server.model.max_model_len)]))
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, body.logprobs is not None)
+        return await server.run(request, fmt, server.completion_choices(body), bool(body.stream), body.include_usage)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, bool(body.logprobs))
+        return await server.run(request, fmt, server.chat_choices(body), bool(body.stream), body.include_usage)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        stats = await router.stats(HEALTH_TIMEOUT_S)
+        missing = [e.name for e in router.engines if e.name not in stats]
+        if missing:
+            raise APIError(503, f"engine(s) not answering: {', '.join(missing)}", type="service_unavailable_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await server.metrics.render(router), media_type=CONTENT_TYPE_LATEST)
+
+    return app

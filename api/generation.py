@@ -1,0 +1,148 @@
+"""Running a request's choices on the engines and turning their token outputs into text deltas.
+
+Every choice of a response (n choices per prompt, one or more prompts) is one engine
+request. Each is submitted and must produce its first output before the HTTP response
+starts, so a request the engine refuses (bad value, full queue) becomes a proper error
+status instead of an error inside a 200 stream. Leaving a delta stream early, for any
+reason, aborts its engine request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from actors.messages import RequestOutput, SamplingParams
+from api.errors import APIError
+from api.metrics import Metrics, RequestTimer
+from api.router import Router
+from api.text import Detokenizer, StopBuffer, TextModel
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One engine request behind one choice of a response."""
+
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    counts_prompt: bool  # the first choice of its prompt: OpenAI counts a prompt's tokens once
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What a choice added since its last delta; the last one has `finish_reason` and usage."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ChoiceStream:
+    def __init__(self, outputs: AsyncIterator[RequestOutput], choice: Choice, model: TextModel,
+                 metrics: Metrics, arrival: float) -> None:
+        self._outputs = outputs
+        self._choice = choice
+        self._detok = Detokenizer(model, choice.prompt_ids, skip_eos=not choice.sampling.ignore_eos)
+        self._stop = StopBuffer(choice.sampling.stop)
+        self._metrics = metrics
+        self._timer = RequestTimer(metrics, arrival)
+        self._last: RequestOutput | None = None
+
+    async def first(self) -> None:
+        """Wait for the engine to accept the request and produce its first output."""
+        self._last = await anext(self._outputs)
+
+    async def close(self) -> None:
+        """Abort the engine request of a choice whose deltas were never read."""
+        await self._outputs.aclose()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        out = self._last
+        try:
+            while out is not None:
+                delta = self._delta(out)
+                if delta.finish_reason is not None or delta.text or delta.token_ids:
+                    yield delta
+                if delta.finish_reason is not None:
+                    return
+                out = self._last = await anext(self._outputs)
+        finally:
+            await self._outputs.aclose()  # aborts the engine request unless it finished
+            self._timer.finish()
+            if self._last is not None:
+                self._metrics.prompt_tokens.inc(self._last.num_prompt_tokens if self._choice.counts_prompt else 0)
+                self._metrics.generation_tokens.inc(self._last.num_output_tokens)
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        if out.finish_reason in ("error", "abort"):
+            raise APIError(500, f"The engine failed the request: {out.error or out.finish_reason}",
+                           type="server_error")
+        self._timer.tokens(len(out.new_token_ids))
+        final = out.finish_reason is not None
+        text = self._stop.push(self._detok.push(out.new_token_ids, final), final)
+        # A stop string found here ends the choice even if the engine has not seen it yet.
+        finish = "stop" if self._stop.stopped else out.finish_reason
+        if finish is None:
+            return Delta(self._choice.index, text, out.new_token_ids, out.logprobs)
+        prompt_tokens = out.num_prompt_tokens if self._choice.counts_prompt else 0
+        return Delta(self._choice.index, text, out.new_token_ids, out.logprobs, finish, prompt_tokens,
+                     out.num_output_tokens)
+
+
+async def start(router: Router, model: TextModel, metrics: Metrics, choices: list[Choice],
+                req_id: str) -> AsyncIterator[Delta]:
+    """Submit every choice; return their merged deltas once each has its first output, or raise
+    what the engine refused (after aborting the choices it accepted)."""
+    arrival = time.monotonic()
+    streams = [ChoiceStream(router.generate(c.prompt_ids, c.sampling, f"{req_id}-{c.index}"), c, model, metrics,
+                            arrival) for c in choices]
+    # return_exceptions: each stream is idle before the failed ones are closed.
+    results = await asyncio.gather(*(s.first() for s in streams), return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+        raise failure
+    return merge([s.deltas() for s in streams])
+
+
+async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Deltas of all streams as they come; closing this closes every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue[Delta | Exception | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for delta in s:
+                    queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,101 @@
+"""Prometheus metrics of the ingress and of its engines, on a registry the app owns.
+
+Request metrics are recorded as requests run. Engine metrics (queues, KV blocks, the
+zero-list counters) live in the engines, so they are fetched from `stats()` when `/metrics`
+is scraped: a gauge is then never older than the scrape, and an idle engine shows 0 blocks
+in use rather than whatever the last request left behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from actors.messages import EngineStats
+from api.router import Router
+
+STATS_TIMEOUT_S = 1.0
+OUTCOMES = ("success", "rejected", "overloaded", "aborted", "error")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    """Engine metrics from the stats fetched for the current scrape."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, EngineStats] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        families = (
+            (GaugeMetricFamily, "raypd_num_requests_running", "Requests the engine is running.",
+             lambda s: s.num_running),
+            (GaugeMetricFamily, "raypd_num_requests_waiting", "Requests waiting for the engine to take them.",
+             lambda s: s.num_waiting),
+            (GaugeMetricFamily, "raypd_kv_blocks_in_use", "KV cache blocks allocated (0 when idle).",
+             lambda s: s.num_blocks_total - s.num_blocks_free),
+            (GaugeMetricFamily, "raypd_kv_blocks_capacity", "KV cache blocks in the engine's pool (total).",
+             lambda s: s.num_blocks_total),
+            (CounterMetricFamily, "raypd_kv_blocks_zeroed", "Attention blocks zeroed on allocation.",
+             lambda s: s.blocks_zeroed),
+            (CounterMetricFamily, "raypd_kv_blocks_zero_skipped",
+             "Newly allocated attention blocks not zeroed because a KV load covers them.", lambda s: s.blocks_skipped),
+        )
+        for family, name, doc, value in families:
+            metric = family(name, doc, labels=["engine"])
+            for engine, stats in self.snapshot.items():
+                metric.add_metric([engine], value(stats))
+            yield metric
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("raypd_requests", "HTTP requests to the generation endpoints by outcome.",
+                                ["endpoint", "outcome"], registry=r)
+        self.ttft = Histogram("raypd_time_to_first_token_seconds", "Time from a request's arrival to its "
+                              "first token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("raypd_inter_token_latency_seconds", "Time between consecutive output tokens "
+                             "of a request.", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("raypd_e2e_request_latency_seconds", "Time from a request's arrival to its last "
+                             "token.", buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("raypd_prompt_tokens", "Prompt tokens of requests served.", registry=r)
+        self.generation_tokens = Counter("raypd_generation_tokens", "Tokens generated.", registry=r)
+        self._engines = _EngineCollector()
+        r.register(self._engines)
+
+    async def render(self, router: Router) -> bytes:
+        self._engines.snapshot = await router.stats(STATS_TIMEOUT_S)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency metrics of one engine request (one choice)."""
+
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        """`n` tokens arrived now; tokens that arrive together share the gap since the last ones."""
+        if n == 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            for _ in range(n):
+                self.metrics.itl.observe((now - self.last) / n)
+        self.last = now
+
+    def finish(self) -> None:
+        if self.last is not None:
+            self.metrics.e2e.observe(self.last - self.arrival)

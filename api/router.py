@@ -1,0 +1,81 @@
+"""Which engine serves a request. Routes only call `Router.generate`, so the choice (round robin
+over colocated engines now; prefill engine then decode engine under PD) can change without
+touching them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actors.client import EngineCalls, EngineClient
+from actors.messages import EngineStats, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """One engine as the ingress sees it: a name (the `engine` label of its metrics), a client
+    for its requests, and its stats."""
+
+    name: str
+    client: EngineClient
+    stats: Callable[[], Awaitable[EngineStats]]
+
+    @classmethod
+    def remote(cls, name: str, handle: Any) -> Engine:
+        """A `SchedulerActor` reached over Ray."""
+
+        async def stats() -> EngineStats:
+            return await handle.stats.remote()
+
+        return cls(name, EngineClient(EngineCalls.remote(handle)), stats)
+
+    @classmethod
+    def local(cls, name: str, core: Any) -> Engine:
+        """An `EngineCore` in this process (tests)."""
+
+        async def stats() -> EngineStats:
+            return core.stats()
+
+        return cls(name, EngineClient(EngineCalls.local(core)), stats)
+
+
+class Router(ABC):
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        self.engines = list(engines)
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until one carries a finish reason; leaving early aborts it."""
+
+    async def stats(self, timeout_s: float) -> dict[str, EngineStats]:
+        """Each engine's stats; one that does not answer within `timeout_s` is left out, so a
+        stuck engine cannot hang a metrics scrape."""
+
+        async def one(engine: Engine) -> EngineStats | None:
+            try:
+                return await asyncio.wait_for(engine.stats(), timeout_s)
+            except Exception:
+                return None
+
+        results = await asyncio.gather(*(one(e) for e in self.engines))
+        return {e.name: s for e, s in zip(self.engines, results, strict=True) if s is not None}
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.client.close() for e in self.engines))
+
+
+class RoundRobinRouter(Router):
+    """Colocated engines, each taking every n-th request."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        super().__init__(engines)
+        self._turn = itertools.cycle(self.engines)
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncIterator[RequestOutput]:
+        return next(self._turn).client.generate(prompt_ids, sampling, req_id)

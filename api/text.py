@@ -1,0 +1,152 @@
+"""Text in and out of the engine: tokenizing prompts, rendering chats, and turning streamed token
+ids back into text that never shows a stop string or half a character.
+
+The engine only knows token ids. It stops *after* the token that completes a stop string, so
+the text API must cut the string off, and while streaming it must hold back any tail that may
+still become the start of a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from actors.messages import InvalidRequestError
+from actors.stop import truncate_at_stop
+from models.loader import load_config, load_generation_config
+
+# Prompt tokens decoded ahead of the output, so a decoder that joins tokens with spaces
+# (word-level) or merges bytes (byte-level) renders the first output token as it would in
+# the middle of the text. As in vLLM.
+_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a partial UTF-8 sequence
+
+
+class TemplateError(ValueError):
+    """The chat cannot be rendered with the model's template (HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TextModel:
+    """What the ingress needs of a model directory: its tokenizer, chat template, EOS and context."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    eos_token_id: int | None
+    max_model_len: int
+    vocab_size: int
+    special_tokens: dict[str, str]  # bos_token / eos_token, as templates expect them
+
+    @classmethod
+    def load(cls, model_dir: str, max_model_len: int | None = None) -> TextModel:
+        path = Path(model_dir)
+        model_cfg = load_config(path)
+        _, eos = load_generation_config(path, model_cfg)
+        tok_cfg_path = path / "tokenizer_config.json"
+        tok_cfg: dict[str, Any] = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+        jinja = path / "chat_template.jinja"
+        template = jinja.read_text() if jinja.exists() else tok_cfg.get("chat_template")
+        special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := tok_cfg.get(k), str)}
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, eos,
+                   max_model_len or model_cfg.max_position_embeddings, model_cfg.vocab_size, special)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """Token ids from a client, checked before they can reach (and crash) the model."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                      param="prompt")
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for a chat: the model's template when it has one (rendered as transformers
+        does, in a sandbox), else the built-in one: the message contents, one a line."""
+        if self.chat_template is None:
+            return "\n".join(m["content"] for m in messages)
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:  # only models that ship a template need jinja2
+            raise TemplateError(f"the model's chat template needs jinja2, which is not installed: {e}") from None
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"cannot render the chat template: {e}") from None
+
+
+class Detokenizer:
+    """Token ids in, new text out, one increment per call (vLLM's prefix/read offsets).
+
+    Each call decodes a short window that ends at the newest token and returns what it added
+    to the text already returned; text that ends in half a UTF-8 character waits for the
+    token that completes it."""
+
+    def __init__(self, model: TextModel, prompt_ids: Sequence[int], skip_eos: bool) -> None:
+        self._model = model
+        self._skip = model.eos_token_id if skip_eos else None
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_ids: Sequence[int], final: bool = False) -> str:
+        # EOS ends a generation; it is counted in usage but is not text.
+        self._ids.extend(t for t in token_ids if t != self._skip)
+        decode = self._model.tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read])
+        text = decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or (text.endswith(_INCOMPLETE) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+
+class StopBuffer:
+    """Output text with stop strings applied: `push` returns what may be shown now."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.text = ""
+        self.sent = 0
+        self.stopped = False  # a stop string was found: the text ends before it
+
+    def push(self, new: str, final: bool) -> str:
+        self.text += new
+        if self.stop:
+            # A stop string cannot start in text already sent: its start would have been held back.
+            unsent = self.text[self.sent:]
+            cut = truncate_at_stop(unsent, self.stop)
+            if len(cut) < len(unsent):
+                self.text = self.text[:self.sent] + cut
+                self.stopped = final = True
+        end = len(self.text) if final else len(self.text) - self._held()
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that is the start of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text) - self.sent), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,59 @@
+"""`python -m serve`: serve a model over the OpenAI API until Ctrl-C.
+
+    python -m serve [--model DIR] [--port 8000] [--address RAY_ADDRESS] [--config FILE] ...
+
+Flags (vLLM's names), a YAML file and `RAYPD_*` variables fill one `Config`, printed at
+start-up with the URL. SIGINT or SIGTERM deletes the app, stops the engines and, for a local
+cluster, Ray itself, then exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from models.loader import ModelLoadError, load_config
+from serve import launch
+from serve.config import load_config_or_exit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config_or_exit(argv)
+    try:  # fail in a second, not after starting a cluster
+        load_config(cfg.model)
+    except ModelLoadError as e:
+        print(f"raypd: cannot serve {cfg.model}: {e} (`make model` builds the shipped model)", file=sys.stderr)
+        return 2
+    # Ctrl-C and SIGTERM only raise a flag: an exception thrown into the middle of a Ray call can
+    # crash the process, so a stop during start-up waits for the start to finish. A second
+    # signal does interrupt (for a start that hangs).
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            raise KeyboardInterrupt
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        dep = launch.start(cfg)
+    except Exception as e:  # launch.start has cleaned up; a one-line reason beats Ray's traceback
+        print(f"raypd: cannot start: {e}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, on_signal)  # ray.init installed its own
+    try:
+        if not stopping.is_set():
+            print(f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (Ctrl-C stops it)",
+                  flush=True)
+        stopping.wait()
+        print("raypd: shutting down", flush=True)
+    finally:
+        launch.stop(dep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

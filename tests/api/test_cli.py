@@ -1,0 +1,85 @@
+"""`python -m serve` as a user runs it (what `make serve` runs): it comes up, answers, and
+Ctrl-C (SIGINT) stops it cleanly with exit code 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "models" / "tiny-hybrid"
+START_TIMEOUT_S = 150
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"server not up after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+
+
+def run_server(tmp_path: Path, model: str, *flags: str):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYPD_")}
+    env["RAYPD_MAX_MODEL_LEN"] = "256"  # one knob from the environment, the rest from flags
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", model, "--port", str(port), *flags],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop_server(proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while "raypd is serving" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the app answers a moment before `serve.run` returns and the banner is printed
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("model", ["fixture", "shipped"])
+def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path, checkpoint, model):
+    if model == "shipped" and not (SHIPPED / "config.json").exists():
+        pytest.skip("the shipped model models/tiny-hybrid is not built (make model)")
+    path, flags = (checkpoint, ["--num-kv-blocks", "64", "--dtype", "float32"]) if model == "fixture" else \
+        (str(SHIPPED), [])
+    proc, url, log = run_server(tmp_path, path, "--worker-threads", "1", *flags)
+    try:
+        wait_until_up(proc, url, log)
+        (card,) = httpx.get(url + "/v1/models").json()["data"]
+        assert card["max_model_len"] == 256
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"model": card["id"], "prompt": "t1 t2", "max_tokens": 4},
+                       timeout=5)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
+        assert time.monotonic() - start < 5
+        chat = httpx.post(url + "/v1/chat/completions", timeout=5, json={
+            "model": card["id"], "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    stop_server(proc, log)
+    text = log.read_text()
+    assert f"at {url}/v1" in text and "api_key" in text  # the banner: URL and the whole config

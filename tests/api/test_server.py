@@ -1,0 +1,247 @@
+"""The real server: Ray Serve on a local cluster, HTTP on a free port, driven by the official
+`openai` package and by raw HTTP for what a well-behaved client never sends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.build import build_local_engine
+from actors.client import EngineCalls, EngineClient
+from actors.messages import SamplingParams
+from serve import launch
+from serve.config import Config
+from tests.api.conftest import free_port
+
+KEY = "sk-test"
+MODEL = "tiny"
+PROMPT = "t3 t14 t15 t92 t65 t35"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    cfg = Config(model=checkpoint, served_model_name=MODEL, dtype="float32", device="cpu", block_size=4,
+                 num_kv_blocks=512, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
+                 worker_threads=1, api_key=KEY, port=free_port())
+    dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
+    yield dep
+    launch.stop(dep)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+        yield c
+
+
+def engine_stats(server):
+    (handle,) = server.engines.values()
+    return ray.get(handle.stats.remote())
+
+
+def wait_blocks_free(server, within_s: float = 2.0) -> float:
+    start = time.monotonic()
+    while True:
+        stats = engine_stats(server)
+        if stats.num_blocks_free == stats.num_blocks_total:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, f"blocks still in use: {stats}"
+        time.sleep(0.05)
+
+
+def engine_greedy(cfg: Config, prompt: list[int], n: int) -> list[int]:
+    """The same request on an in-process engine built from the same config."""
+
+    async def main():
+        core, worker = build_local_engine(cfg)
+        client = EngineClient(EngineCalls.local(core))
+        ids = [t for out in [o async for o in client.generate(prompt, SamplingParams(n, 0.0, ignore_eos=True))]
+               for t in out.new_token_ids]
+        await client.close()
+        await core.close()
+        worker.close()
+        return ids
+
+    return asyncio.run(main())
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_is_the_engines_greedy_output(server, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY)
+    ids = [int(w[1:]) for w in PROMPT.split()]
+    expected = engine_greedy(server.cfg, ids, 12)
+    assert r.choices[0].text.split() == [f"t{i}" for i in expected]
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, **GREEDY)
+    assert as_ids.choices[0].text == r.choices[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 12, 18)
+
+
+def test_streamed_completion_equals_whole_and_counts_usage(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_whole_and_streamed(client):
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **GREEDY)
+    assert whole.choices[0].message.content == completion.choices[0].text  # built-in template: the content
+    assert whole.choices[0].message.role == "assistant"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 8)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage == whole.usage
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY).choices[0].text
+    words = full.split()
+    stop = f" {words[4]}"
+    expected = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stop=stop, **GREEDY)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    # The engine ran until the token that completed the stop string, and usage says so.
+    assert r.usage.completion_tokens == len(expected.split()) + 1
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stop=[stop, "zzz"],
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(42) == sample(42)
+    assert sample(42) != sample(43)
+
+
+def test_twenty_concurrent_streams_complete(server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+        async def one(i):
+            stream = await aclient.completions.create(model=MODEL, prompt=f"t{i + 1} t{i + 2}", max_tokens=16,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      temperature=0.7, seed=i, extra_body={"ignore_eos": True})
+            return [c async for c in stream]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(20)))
+        finally:
+            await aclient.close()
+
+    for chunks in asyncio.run(main()):
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 16
+    wait_blocks_free(server)
+
+
+BAD_BODIES = [
+    ({"prompt": "t1", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "t1", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "t1", "temperature": 2.5}, "temperature"),
+    ({"prompt": "t1", "temperature": "hot"}, "temperature"),
+    ({"prompt": 12}, "prompt"),
+    ({"prompt": " ".join(["t1"] * 500), "max_tokens": 100}, "max_tokens"),  # beyond the 512-token context
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "t1"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_BODIES)
+def test_invalid_values_are_400(http, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+
+
+def test_malformed_json_unknown_model_and_bad_key(server, http, client):
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="t1", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    for key in ("wrong", None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "t1"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # Unknown fields are ignored, and the server still serves after all of the above.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "t1", "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_dropped_stream_frees_its_blocks(server, http):
+    aborted = metric(http, "raypd_requests_total", outcome="aborted")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        got = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+            if len(got) == 3:
+                break
+        stats = engine_stats(server)
+        assert stats.num_running == 1 and stats.num_blocks_free < stats.num_blocks_total
+    assert all(c["choices"][0]["finish_reason"] is None for c in got)
+    wait_blocks_free(server, within_s=2.0)
+    assert metric(http, "raypd_requests_total", outcome="aborted") == aborted + 1
+
+
+def test_dropped_request_frees_its_blocks(server, http):
+    aborted = metric(http, "raypd_requests_total", outcome="aborted")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=0.5)
+    wait_blocks_free(server, within_s=2.0)
+    assert metric(http, "raypd_requests_total", outcome="aborted") == aborted + 1
+
+
+def metric(http, name, **labels) -> float:
+    text = http.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_parse_and_idle_engine_uses_no_blocks(server, http):
+    wait_blocks_free(server)
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert families["raypd_kv_blocks_in_use"].samples[0].value == 0
+    assert families["raypd_kv_blocks_capacity"].samples[0].value == engine_stats(server).num_blocks_total
+    assert families["raypd_kv_blocks_capacity"].samples[0].labels == {"engine": "raypd-engine-0"}
+    assert metric(http, "raypd_requests_total", outcome="success") > 0
+    assert metric(http, "raypd_requests_total", outcome="rejected") > 0
+    assert metric(http, "raypd_time_to_first_token_seconds_count") > 0
+    assert metric(http, "raypd_generation_tokens_total") > 0
+    assert http.get("/health").status_code == 200
