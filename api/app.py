@@ -21,7 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from actors.messages import InvalidRequestError, SamplingParams
-from api.errors import APIError, as_api_error, install_error_handlers, model_not_found, unauthorized
+from api.errors import (
+    APIError,
+    as_api_error,
+    install_error_handlers,
+    model_not_found,
+    unauthorized,
+)
 from api.formats import ChatFormat, CompletionFormat, Format, usage_of
 from api.generation import Choice, Delta, start
 from api.metrics import Metrics
