@@ -25,9 +25,12 @@ model: setup
 accuracy: setup
 	$(PY) -m bench.accuracy --mode local
 
-# The shipped model on http://127.0.0.1:8000/v1 until Ctrl-C; RAYPD_* variables change the config.
+# The shipped model on http://127.0.0.1:8000/v1 until Ctrl-C, one prefill and one decode engine.
+# SERVE_ARGS replaces the engine layout (e.g. SERVE_ARGS="--prefill 0" for colocated); RAYPD_*
+# variables and --config change the rest.
+SERVE_ARGS ?= --prefill 1 --decode 1
 serve: setup
-	$(PY) -m serve
+	$(PY) -m serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: `create_app(cfg, router)` builds the FastAPI app; a `Router`
-(`RoundRobinRouter` over colocated `Engine`s for now) decides which engine serves a request."""
+(`RoundRobinRouter` over colocated `Engine`s, `PDRouter` over prefill and decode ones) decides which engine serves a request."""
 
 from api.app import create_app
-from api.router import Engine, RoundRobinRouter, Router
+from api.router import Engine, PDRouter, RoundRobinRouter, Router
 
-__all__ = ["Engine", "RoundRobinRouter", "Router", "create_app"]
+__all__ = ["Engine", "PDRouter", "RoundRobinRouter", "Router", "create_app"]

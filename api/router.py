@@ -1,5 +1,5 @@
 """Which engine serves a request. Routes only call `Router.generate`, so the choice (round robin
-over colocated engines now; prefill engine then decode engine under PD) can change without
+over colocated engines, or a prefill engine then a decode engine under PD) can change without
 touching them."""
 
 from __future__ import annotations
@@ -79,3 +79,28 @@ class RoundRobinRouter(Router):
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncIterator[RequestOutput]:
         return next(self._turn).client.generate(prompt_ids, sampling, req_id)
+
+
+class PDRouter(Router):
+    """Disaggregated serving: a prefill engine computes the prompt and answers where its KV
+    lives; a decode engine loads that KV over NIXL and streams the tokens. One request id
+    across both, round robin over each kind."""
+
+    def __init__(self, prefill: Sequence[Engine], decode: Sequence[Engine]) -> None:
+        if not prefill or not decode:
+            raise ValueError("PD serving needs at least one prefill and one decode engine")
+        super().__init__([*prefill, *decode])
+        self._prefill = itertools.cycle(prefill)
+        self._decode = itertools.cycle(decode)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       req_id: str) -> AsyncIterator[RequestOutput]:
+        handed_over: RequestOutput | None = None
+        async for out in next(self._prefill).client.generate(prompt_ids, sampling, req_id, do_remote_decode=True):
+            handed_over = out
+        if handed_over is None or handed_over.kv_transfer_params is None:
+            yield handed_over or RequestOutput(req_id, [], None, "error", error="prefill engine gave no answer")
+            return
+        decode = next(self._decode).client
+        async for out in decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params):
+            yield out

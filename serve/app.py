@@ -14,26 +14,32 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.deployment import Application
 
-from api import Engine, RoundRobinRouter, create_app
+from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from serve.config import Config
 
 DEPLOYMENT_NAME = "raypd-api"
 
 
 class Ingress:
-    def __init__(self, config: dict[str, Any], engine_names: list[str], namespace: str) -> None:
+    def __init__(self, config: dict[str, Any], engine_names: dict[str, list[str]], namespace: str) -> None:
         cfg = Config.from_dict(config)
-        engines = [Engine.remote(name, ray.get_actor(name, namespace=namespace)) for name in engine_names]
-        self._app = create_app(cfg, RoundRobinRouter(engines))
+
+        def engines(role: str) -> list[Engine]:
+            return [Engine.remote(name, ray.get_actor(name, namespace=namespace)) for name in engine_names[role]]
+
+        router: Router = (PDRouter(engines("prefill"), engines("decode")) if engine_names["prefill"]
+                          else RoundRobinRouter(engines("decode")))
+        self._app = create_app(cfg, router)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
 
-def build_app(cfg: Config, engine_names: list[str], namespace: str) -> Application:
+def build_app(cfg: Config, engine_names: dict[str, list[str]], namespace: str) -> Application:
+    """`engine_names`: "prefill" and "decode" lists (no prefill names: colocated engines)."""
     # Serve queues requests beyond max_ongoing_requests in front of the replica; allow what the
     # engines can hold so that their own bound (answered with 503) is the one clients meet.
-    capacity = len(engine_names) * (cfg.max_num_seqs + cfg.max_waiting) + 64
+    capacity = len(engine_names["decode"]) * (cfg.max_num_seqs + cfg.max_waiting) + 64
     deployment = serve.deployment(
         serve.ingress()(Ingress),
         name=DEPLOYMENT_NAME,

@@ -36,15 +36,17 @@ class Deployment:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
 
-def engine_names(cfg: Config) -> list[str]:
-    return [f"raypd-engine-{i}" for i in range(cfg.decode)]
+def engine_names(cfg: Config) -> dict[str, list[str]]:
+    """Actor names by role; colocated engines stand in the "decode" list."""
+    if cfg.colocated:
+        return {"prefill": [], "decode": [f"raypd-engine-{i}" for i in range(cfg.decode)]}
+    return {"prefill": [f"raypd-prefill-{i}" for i in range(cfg.prefill)],
+            "decode": [f"raypd-decode-{i}" for i in range(cfg.decode)]}
 
 
 def start(cfg: Config, **ray_init: Any) -> Deployment:
     """Connect to Ray (or start a local cluster), create and wait for the engines, deploy the API.
     `ray_init` adds options to a ray.init of a local cluster (tests turn the dashboard off)."""
-    if not cfg.colocated:
-        raise ValueError("prefill/decode disaggregation (--prefill > 0) is not available yet; use --prefill 0")
     dep = Deployment(cfg)
     try:
         if not ray.is_initialized():
@@ -57,16 +59,29 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
             else:
                 _join(cfg)
             dep.connected = True
-        for name in engine_names(cfg):
-            dep.engines[name] = RemoteScheduler.options(name=name, namespace=NAMESPACE).remote(cfg.to_dict())
+        names = engine_names(cfg)
+        for role, role_names in names.items():
+            for name in role_names:
+                kind = role if not cfg.colocated else "colocated"
+                dep.engines[name] = RemoteScheduler.options(name=name, namespace=NAMESPACE).remote(
+                    cfg.to_dict(), kind, name)
         ray.get([h.ready.remote() for h in dep.engines.values()])
+        _connect_kv_peers(dep, names)
         serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"log_level": cfg.log_level})
         dep.serving = True
-        serve.run(build_app(cfg, list(dep.engines), NAMESPACE), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(cfg, names, NAMESPACE), name=APP_NAME, route_prefix="/")
     except BaseException:
         stop(dep)
         raise
     return dep
+
+
+def _connect_kv_peers(dep: Deployment, names: dict[str, list[str]]) -> None:
+    """Every decode engine learns every prefill worker's NIXL agent (metadata through Ray)."""
+    if not names["prefill"]:
+        return
+    peers = [p for ps in ray.get([dep.engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
+    ray.get([dep.engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
 
 
 def _join(cfg: Config) -> None:

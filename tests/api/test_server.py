@@ -26,11 +26,11 @@ PROMPT = "t3 t14 t15 t92 t65 t35"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
+@pytest.fixture(scope="module", params=[0, 1], ids=["colocated", "1P1D"])
+def server(checkpoint, request):
     cfg = Config(model=checkpoint, served_model_name=MODEL, dtype="float32", device="cpu", block_size=4,
                  num_kv_blocks=512, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
-                 worker_threads=1, api_key=KEY, port=free_port())
+                 worker_threads=1, api_key=KEY, port=free_port(), prefill=request.param)
     dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
     yield dep
     launch.stop(dep)
@@ -48,15 +48,16 @@ def http(server):
 
 
 def engine_stats(server):
-    (handle,) = server.engines.values()
-    return ray.get(handle.stats.remote())
+    """The stats of the engine that streams tokens (the decode engine under PD)."""
+    return ray.get(list(server.engines.values())[-1].stats.remote())
 
 
 def wait_blocks_free(server, within_s: float = 2.0) -> float:
+    """Until every engine (prefill and decode) has all its blocks back."""
     start = time.monotonic()
     while True:
-        stats = engine_stats(server)
-        if stats.num_blocks_free == stats.num_blocks_total:
+        stats = ray.get([h.stats.remote() for h in server.engines.values()])
+        if all(s.num_blocks_free == s.num_blocks_total for s in stats):
             return time.monotonic() - start
         assert time.monotonic() - start < within_s, f"blocks still in use: {stats}"
         time.sleep(0.05)
@@ -237,9 +238,10 @@ def metric(http, name, **labels) -> float:
 def test_metrics_parse_and_idle_engine_uses_no_blocks(server, http):
     wait_blocks_free(server)
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    assert families["raypd_kv_blocks_in_use"].samples[0].value == 0
-    assert families["raypd_kv_blocks_capacity"].samples[0].value == engine_stats(server).num_blocks_total
-    assert families["raypd_kv_blocks_capacity"].samples[0].labels == {"engine": "raypd-engine-0"}
+    assert all(s.value == 0 for s in families["raypd_kv_blocks_in_use"].samples)
+    capacity = {s.labels["engine"]: s.value for s in families["raypd_kv_blocks_capacity"].samples}
+    assert set(capacity) == set(server.engines)
+    assert capacity[list(server.engines)[-1]] == engine_stats(server).num_blocks_total
     assert metric(http, "raypd_requests_total", outcome="success") > 0
     assert metric(http, "raypd_requests_total", outcome="rejected") > 0
     assert metric(http, "raypd_time_to_first_token_seconds_count") > 0
