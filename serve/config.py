@@ -74,7 +74,7 @@ class Config:
     api_key: str | None = _f(None, "bearer token the API requires; default: no auth", secret=True)
     prefill: int = _f(0, "number of prefill engines; 0 = prefill and decode colocated", lo=0)
     decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
-    tensor_parallel_size: int = _f(1, "worker actors per engine", lo=1)
+    tensor_parallel_size: int = _f(1, "worker actors per engine; only 1 is implemented so far", lo=1, hi=1)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
     address: str | None = _f(None, "Ray cluster address; default: start a local cluster")
     kv_load_failure_policy: FailurePolicy = _f("recompute", "a failed KV load: recompute the prompt, or fail the request")

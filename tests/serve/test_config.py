@@ -76,9 +76,9 @@ def test_boolean_env_values(text: str, value: bool) -> None:
 
 
 def test_cli_flags_with_vllm_names() -> None:
-    config = load_config(["--num-gpu-blocks-override", "100", "-tp", "2", "--served-model-name", "tiny",
+    config = load_config(["--num-gpu-blocks-override", "100", "-tp", "1", "--served-model-name", "tiny",
                           "--dtype", "BFloat16", "--log-level", "debug", "--max-model-len", "none"], {})
-    assert (config.num_kv_blocks, config.tensor_parallel_size) == (100, 2)
+    assert (config.num_kv_blocks, config.tensor_parallel_size) == (100, 1)
     assert (config.model_name, config.dtype, config.log_level) == ("tiny", "bfloat16", "DEBUG")
     assert config.max_model_len is None
     assert load_config(["--num-kv-blocks", "7"], {}).num_kv_blocks == 7
@@ -142,7 +142,7 @@ def test_batched_tokens_must_cover_running_requests() -> None:
     ([], {"RAYPD_PORT": "70000"}, "invalid port 70000: must be in 1..65535 (from RAYPD_PORT)"),
     ([], {"RAYPD_ASYNC_SCHEDULING": "maybe"}, "invalid async_scheduling 'maybe'"),
     (["--kv-cache-memory", "lots"], {}, "invalid kv_cache_memory 'lots': expected a byte count"),
-    (["-tp", "0"], {}, "invalid tensor_parallel_size 0: must be >= 1 (from --tensor-parallel-size)"),
+    (["-tp", "2"], {}, "invalid tensor_parallel_size 2: must be in 1..1 (from --tensor-parallel-size)"),
 ])
 def test_layer_errors_name_value_and_source(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
