@@ -1,6 +1,11 @@
 """Exact-answer accuracy of a model on its eval set (``eval.jsonl`` in the model directory).
 
     python -m bench.accuracy --mode local [--model models/tiny-hybrid] [--limit N] [--zero-kv-after-prefill]
+    python -m bench.accuracy --mode colocated|pd [any `python -m serve` flag, e.g. --worker-threads 1]
+
+`local` runs the model in this process (models.generate); `colocated` and `pd` run the real
+engines as Ray actors on a local cluster (pd: prefill and decode engines moving KV over
+NIXL, routed as the API server routes), configured by the same flags as `python -m serve`.
 
 Every mode answers the same prompts greedily and is scored by the same code, so the
 accuracy of a deployment (colocated, PD) can be compared with the in-process reference.
@@ -12,18 +17,25 @@ for scripts to read.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import ray
 import torch
 from tokenizers import Tokenizer
 
+from actors.messages import SamplingParams
+from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from models.generate import greedy_generate
 from models.loader import load_model
-
-DEFAULT_MODEL = Path("models/tiny-hybrid")
+from serve import launch
+from serve.config import Config
+from serve.config import parse_args as parse_serve_args
 
 # (args, prompts, max_new_tokens) -> completions, EOS excluded.
 Backend = Callable[[argparse.Namespace, list[str], int], list[str]]
@@ -49,7 +61,51 @@ def complete_local(args: argparse.Namespace, prompts: list[str], max_new_tokens:
     return completions
 
 
-BACKENDS: dict[str, Backend] = {"local": complete_local}
+def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """The deployment: engine actors on a local Ray cluster, requests routed as the ingress does."""
+    cfg: Config = args.config
+    if args.mode == "pd" and cfg.colocated:
+        cfg = dataclasses.replace(cfg, prefill=1)
+    elif args.mode == "colocated":
+        cfg = dataclasses.replace(cfg, prefill=0)
+    tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
+    ray.init(address="local", namespace=launch.NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
+             include_dashboard=False, log_to_driver=False, logging_level=cfg.log_level)
+    engines: dict[str, object] = {}
+    try:
+        names = launch.start_engines(cfg, engines)
+
+        def of(role: str) -> list[Engine]:
+            return [Engine.remote(n, engines[n]) for n in names[role]]
+
+        router: Router = PDRouter(of("prefill"), of("decode")) if names["prefill"] else RoundRobinRouter(of("decode"))
+        outputs = asyncio.run(_generate_all(router, [tokenizer.encode(p).ids for p in prompts], max_new_tokens))
+    finally:
+        for handle in engines.values():
+            ray.get(handle.shutdown.remote())  # type: ignore[attr-defined]
+        ray.shutdown()
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    return [tokenizer.decode([t for t in out if t != eos]) for out in outputs]
+
+
+async def _generate_all(router: Router, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in router.generate(ids, sampling, f"acc-{i}"):
+            if out.finish_reason == "error":
+                raise RuntimeError(f"prompt {i} failed: {out.error}")
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await router.close()
+
+
+BACKENDS: dict[str, Backend] = {"local": complete_local, "colocated": complete_engines, "pd": complete_engines}
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, object]:
@@ -65,6 +121,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, object]:
     return {
         "mode": args.mode,
         "model": str(args.model),
+        "debug_zero_loaded_blocks": args.config.debug_zero_loaded_blocks,
+        "debug_stream_delay_ms": args.config.debug_stream_delay_ms,
         "zero_kv_after_prefill": args.zero_kv_after_prefill,
         "n": len(records),
         "correct": correct,
@@ -73,16 +131,22 @@ def evaluate(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Exact-answer greedy accuracy on a model's eval.jsonl.")
+def _bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Exact-answer greedy accuracy on a model's eval.jsonl."
     parser.add_argument("--mode", required=True, choices=sorted(BACKENDS))
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory holding eval.jsonl")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N prompts")
     parser.add_argument("--batch-size", type=int, default=50, help="prompts per generate call (local mode)")
     parser.add_argument("--zero-kv-after-prefill", action="store_true",
-                        help="zero every attention K/V block after prefill: shows the answers depend on the KV")
+                        help="local mode: zero every attention K/V block after prefill (the answers need the KV)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    return parser.parse_args(argv)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = parse_serve_args(argv, extra=_bench_flags)
+    args.model = Path(args.config.model)
+    if args.zero_kv_after_prefill and args.mode != "local":
+        raise SystemExit("--zero-kv-after-prefill applies to --mode local only")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,14 +59,7 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
             else:
                 _join(cfg)
             dep.connected = True
-        names = engine_names(cfg)
-        for role, role_names in names.items():
-            for name in role_names:
-                kind = role if not cfg.colocated else "colocated"
-                dep.engines[name] = RemoteScheduler.options(name=name, namespace=NAMESPACE).remote(
-                    cfg.to_dict(), kind, name)
-        ray.get([h.ready.remote() for h in dep.engines.values()])
-        _connect_kv_peers(dep, names)
+        names = start_engines(cfg, dep.engines)
         serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"log_level": cfg.log_level})
         dep.serving = True
         serve.run(build_app(cfg, names, NAMESPACE), name=APP_NAME, route_prefix="/")
@@ -76,12 +69,20 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     return dep
 
 
-def _connect_kv_peers(dep: Deployment, names: dict[str, list[str]]) -> None:
-    """Every decode engine learns every prefill worker's NIXL agent (metadata through Ray)."""
-    if not names["prefill"]:
-        return
-    peers = [p for ps in ray.get([dep.engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
-    ray.get([dep.engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
+def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
+    """Create the named engine actors into `engines` (so a caller can clean up after a failure
+    part-way), wait until they are ready, and give every decode engine every prefill worker's
+    NIXL agent (metadata through Ray). Returns the names by role."""
+    names = engine_names(cfg)
+    for role, role_names in names.items():
+        for name in role_names:
+            kind = role if not cfg.colocated else "colocated"
+            engines[name] = RemoteScheduler.options(name=name, namespace=NAMESPACE).remote(cfg.to_dict(), kind, name)
+    ray.get([h.ready.remote() for h in engines.values()])
+    if names["prefill"]:
+        peers = [p for ps in ray.get([engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
+        ray.get([engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
+    return names
 
 
 def _join(cfg: Config) -> None:
