@@ -62,13 +62,8 @@ def check_idle(*engines):
         assert stats.num_blocks_free == stats.num_blocks_total
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "qwen3"])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_pd_equals_colocated(ray_cluster, tmp_path, kind, async_scheduling):
-    save_hf_model(kind, tmp_path)
-    cfg = Config(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=800,
-                 max_num_seqs=64, max_num_batched_tokens=512, async_scheduling=async_scheduling, worker_threads=1)
-    reqs = workload(64, seed=11)
+def run_pd(cfg: Config, reqs):
+    """Serve `reqs` on a fresh 1P1D pair; check both return every block; the decode stats."""
     prefill, decode = start_pd(cfg)
     try:
         got = serve_pd(prefill, decode, reqs)
@@ -76,6 +71,17 @@ def test_pd_equals_colocated(ray_cluster, tmp_path, kind, async_scheduling):
         stats = ray.get(decode.stats.remote())
     finally:
         ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+    return got, stats
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "qwen3"])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_pd_equals_colocated(ray_cluster, tmp_path, kind, async_scheduling):
+    save_hf_model(kind, tmp_path)
+    cfg = Config(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=800,
+                 max_num_seqs=64, max_num_batched_tokens=512, async_scheduling=async_scheduling, worker_threads=1)
+    reqs = workload(64, seed=11)
+    got, stats = run_pd(cfg, reqs)
     assert [t for t, _, _ in got] == alone(str(tmp_path), reqs)
     if kind == "nemotron_h":
         assert stats.blocks_skipped > 0

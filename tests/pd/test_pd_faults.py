@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-import ray
 
 from serve.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
-from tests.pd.test_pd_engines import check_idle, ray_cluster, serve_pd, start_pd  # noqa: F401
+from tests.pd.test_pd_engines import ray_cluster, run_pd  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +28,11 @@ def base(path: str, **kw) -> Config:
                   max_num_batched_tokens=256, worker_threads=1, seed=2, **kw)
 
 
-def run(cfg: Config, reqs):
-    prefill, decode = start_pd(cfg)
-    try:
-        got = serve_pd(prefill, decode, reqs)
-        check_idle(prefill, decode)
-        stats = ray.get(decode.stats.remote())
-    finally:
-        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
-    return got, stats
-
-
 @pytest.mark.parametrize("debug_zero", [False, True])
 def test_lagging_stream_wipes_loaded_kv_only_without_the_fix(ray_cluster, hybrid, reference, debug_zero):
     """The compute stream lags, so each step's zeroing runs after its READs have landed."""
     reqs, want = reference
-    got, stats = run(base(hybrid, debug_stream_delay_ms=30, debug_zero_loaded_blocks=debug_zero), reqs)
+    got, stats = run_pd(base(hybrid, debug_stream_delay_ms=30, debug_zero_loaded_blocks=debug_zero), reqs)
     wrong = sum(t != w for (t, _, _), w in zip(got, want))
     if debug_zero:
         assert stats.blocks_skipped == 0
@@ -58,7 +44,7 @@ def test_lagging_stream_wipes_loaded_kv_only_without_the_fix(ray_cluster, hybrid
 
 def test_failed_loads_recompute(ray_cluster, hybrid, reference):
     reqs, want = reference
-    got, stats = run(base(hybrid, debug_kv_fail_percent=20), reqs)
+    got, stats = run_pd(base(hybrid, debug_kv_fail_percent=20), reqs)
     assert [t for t, _, _ in got] == want
     assert all(r == "length" for _, r, _ in got)
     assert stats.extra["failed_loads"] > 0
@@ -66,7 +52,7 @@ def test_failed_loads_recompute(ray_cluster, hybrid, reference):
 
 def test_failed_loads_fail_policy(ray_cluster, hybrid, reference):
     reqs, want = reference
-    got, stats = run(base(hybrid, debug_kv_fail_percent=20, kv_load_failure_policy="fail"), reqs)
+    got, stats = run_pd(base(hybrid, debug_kv_fail_percent=20, kv_load_failure_policy="fail"), reqs)
     failed = [(t, e) for t, r, e in got if r == "error"]
     assert 0 < len(failed) == stats.extra["failed_loads"]
     assert all("KV transfer" in e for _, e in failed)
