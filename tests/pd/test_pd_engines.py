@@ -17,13 +17,6 @@ from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def start_pd(cfg: Config):
     prefill = RemoteScheduler.remote(cfg.to_dict(), "prefill", "prefill-0")
     decode = RemoteScheduler.remote(cfg.to_dict(), "decode", "decode-0")

@@ -7,7 +7,7 @@ import pytest
 from serve.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
-from tests.pd.test_pd_engines import ray_cluster, run_pd  # noqa: F401
+from tests.pd.test_pd_engines import run_pd
 
 
 @pytest.fixture(scope="module")
