@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from actors.deferred_free import DeferredFree
 from actors.messages import (
     CachedRequestData,
     InvalidRequestError,
@@ -79,9 +80,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_step = 0
-        self._last_reported = -1
-        self._pending_free: list[tuple[int, str]] = []  # (fence step, request id)
-        self._pending_ids: set[str] = set()
+        self.freed = DeferredFree(kv)
         self._finished_for_workers: list[str] = []
         self.blocks_zeroed = 0
         self.num_preemptions = 0
@@ -89,7 +88,7 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.req_id in self.requests or req.req_id in self._pending_ids or req.req_id in self._held:
+        if req.req_id in self.requests or req.req_id in self.freed or req.req_id in self._held:
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         if not req.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -154,7 +153,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.last_step > self._last_reported:
+            if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
             if req.resumed or req.load_done:
                 hit, fresh_hit = req.num_computed_tokens, 0  # its blocks are already its own
@@ -242,7 +241,7 @@ class Scheduler:
         req.resumed = True
         self.waiting.appendleft(req)
         self.num_preemptions += 1
-        return self._release(req.req_id, req.last_step)
+        return self.freed.release(req.req_id, req.last_step)
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
         """This step's new attention blocks minus those a remote load covers; the skip set
@@ -262,7 +261,6 @@ class Scheduler:
         """Apply a finished step: record sampled tokens, check stops, release fenced blocks."""
         if result.step_id != out.step_id:
             raise RuntimeError(f"step {out.step_id} got the result of step {result.step_id}")
-        self._last_reported = out.step_id
         outputs = []
         for req_id, token in result.sampled.items():
             req = self.requests.get(req_id)
@@ -287,8 +285,8 @@ class Scheduler:
             for req_id in [*result.finished_sending, *self.connector.expired()]:
                 self.connector.release(req_id)
                 if req_id in self._held:
-                    self._release(req_id, self._held.pop(req_id))
-        self._release_fenced()
+                    self.freed.release(req_id, self._held.pop(req_id))
+        self.freed.reported(out.step_id)
         return outputs
 
     def _hand_over(self, req: Request) -> RequestOutput:
@@ -306,7 +304,7 @@ class Scheduler:
         if req is None:
             return []
         if req.finished:  # aborted while its pages were being written: free them now
-            self._release(req.req_id, req.last_step)
+            self.freed.release(req.req_id, req.last_step)
             return []
         req.load_done = True
         req.status = RequestStatus.WAITING
@@ -355,32 +353,11 @@ class Scheduler:
         req.finish_reason = reason
         # A load in flight may still write the blocks: they are freed when it ends.
         if not keep_blocks and req.req_id not in self.loading:
-            self._release(req.req_id, req.last_step)
+            self.freed.release(req.req_id, req.last_step)
         del self.requests[req.req_id]
         if req.known_to_workers:
             self._finished_for_workers.append(req.req_id)
 
-    def _release(self, req_id: str, last_step: int) -> bool:
-        """Free the request's blocks now if no step in flight uses them, else at the fence."""
-        if last_step <= self._last_reported:
-            self.kv.free(req_id)
-            return True
-        if req_id not in self._pending_ids:
-            self._pending_free.append((last_step, req_id))
-            self._pending_ids.add(req_id)
-        return False
-
-    def _release_fenced(self) -> None:
-        keep = []
-        for fence, req_id in self._pending_free:
-            if fence <= self._last_reported:
-                self.kv.free(req_id)
-                self._pending_ids.discard(req_id)
-            else:
-                keep.append((fence, req_id))
-        self._pending_free = keep
-
     def drain_idle(self) -> None:
         """Release every fenced block; call only when no step is in flight."""
-        self._last_reported = self._next_step - 1
-        self._release_fenced()
+        self.freed.reported(self._next_step - 1)
