@@ -69,7 +69,6 @@ def hf_config() -> dict[str, Any]:
         "attention_bias": False,
         "time_step_min": 0.001,
         "time_step_max": 0.1,
-        "time_step_limit": [0.0, float("inf")],
         "time_step_floor": 1e-4,
         "residual_in_fp32": False,
         "rescale_prenorm_residual": True,
