@@ -106,6 +106,11 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. On a prefill engine this also drops KV held for
+        a decode side that will never read it (the client left between the two engines)."""
+        if req_id in self._held and self.connector is not None:
+            self.connector.release(req_id)
+            self.freed.release(req_id, self._held.pop(req_id))
         req = self.requests.get(req_id)
         if req is None or req.finished:
             return None

@@ -95,12 +95,23 @@ class PDRouter(Router):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        req_id: str) -> AsyncIterator[RequestOutput]:
+        prefill = next(self._prefill).client
         handed_over: RequestOutput | None = None
-        async for out in next(self._prefill).client.generate(prompt_ids, sampling, req_id, do_remote_decode=True):
+        async for out in prefill.generate(prompt_ids, sampling, req_id, do_remote_decode=True):
             handed_over = out
         if handed_over is None or handed_over.kv_transfer_params is None:
             yield handed_over or RequestOutput(req_id, [], None, "error", error="prefill engine gave no answer")
             return
         decode = next(self._decode).client
-        async for out in decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params):
+        stream = decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
+        try:
+            first = await anext(stream)
+        except BaseException:
+            # The client left before the decode engine took the request: nobody will read
+            # the prefill engine's blocks, so free them now rather than at lease expiry.
+            await asyncio.shield(prefill.abort(req_id))
+            await stream.aclose()
+            raise
+        yield first
+        async for out in stream:
             yield out

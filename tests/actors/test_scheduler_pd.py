@@ -179,3 +179,16 @@ def test_prefill_side_holds_blocks_until_notified_or_lease():
     assert kv.num_free_blocks == kv.num_blocks
     assert s.schedule() is None
     assert all(r.status is not RequestStatus.RUNNING for r in s.requests.values())
+
+
+def test_abort_on_prefill_drops_held_blocks():
+    kv = KVCacheManager(HYBRID, 40, BS, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256), DisaggConfig("prefill", "pre-0"))
+    s.agent_name = "agent-p"
+    s.add_request(Request("x", list(range(9)), SamplingParams(max_tokens=1, temperature=0), None,
+                          do_remote_decode=True))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1}))
+    assert kv.num_free_blocks < kv.num_blocks
+    s.abort("x")  # the client left before any decode engine took the request
+    assert kv.num_free_blocks == kv.num_blocks and s.connector.num_leases == 0
