@@ -8,13 +8,13 @@ poller task fans them out to per-request queues. The same client drives an in-pr
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import RequestOutput, SamplingParams
+from actors.messages import InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ class EngineCalls:
 
 
 class EngineClient:
-    _ids = itertools.count()
-
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -67,13 +65,19 @@ class EngineClient:
         """Yield the request's outputs until one carries a finish reason. Leaving the
         iteration early (a client went away) aborts the request so its blocks are freed.
         The last two arguments are the disaggregation hand-over (see EngineCore.add_request)."""
-        req_id = req_id or f"req-{next(self._ids)}"
+        req_id = req_id or f"req-{uuid.uuid4().hex}"
+        if req_id in self._queues:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use", param="request_id")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req_id] = queue
-        finished = False
         try:
             await self.calls.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params=kv_transfer_params,
                                          do_remote_decode=do_remote_decode)
+        except BaseException:
+            self._queues.pop(req_id, None)
+            raise
+        finished = False
+        try:
             self._ensure_poller()
             while not finished:
                 out = await queue.get()

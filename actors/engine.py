@@ -77,6 +77,7 @@ class EngineCore:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
             prompt = list(prompt_token_ids)
             if do_remote_decode:
+                self.scheduler.check_length(len(prompt), sampling.max_tokens)  # before any prefill work
                 prompt = prompt[:-1]
                 sampling = dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
                 if not prompt:
@@ -84,8 +85,9 @@ class EngineCore:
                     return
             self.scheduler.add_request(Request(req_id, prompt, sampling, self.eos_token_id,
                                                kv_transfer_params=params, do_remote_decode=do_remote_decode))
-        except (InvalidRequestError, EngineOverloadedError):
-            if params is not None and self.scheduler.connector is not None:
+        except (InvalidRequestError, EngineOverloadedError) as e:
+            duplicate = getattr(e, "param", None) == "request_id"  # the live request's KV is not ours to drop
+            if params is not None and self.scheduler.connector is not None and not duplicate:
                 self.scheduler.connector.notify_abandoned(params)  # so the prefill side frees now
                 self._ensure_running()
                 self._wake.set()
@@ -118,15 +120,20 @@ class EngineCore:
         return out
 
     def stats(self) -> EngineStats:
+        """Raises once the loop has failed, so health checks see a dead engine."""
+        if self._failure is not None:
+            raise RuntimeError(f"engine failed: {self._failure!r}")
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.kv.num_blocks, s.kv.num_free_blocks,
                            s.blocks_zeroed, s.blocks_skipped,
                            {"steps": self.num_steps, "preemptions": s.num_preemptions, "loading": len(s.loading),
-                            "held_for_decode": len(s._held), "failed_loads": s.num_failed_loads})
+                            "held_for_decode": s.num_held, "failed_loads": s.num_failed_loads})
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""
         while self.scheduler.has_work() or self._in_flight:
+            if self._failure is not None:
+                raise RuntimeError(f"engine failed: {self._failure!r}")
             await asyncio.sleep(0.005)
 
     async def close(self) -> None:
@@ -154,6 +161,7 @@ class EngineCore:
         except BaseException as e:  # a worker died or a step failed: fail every request loudly
             log.exception("engine loop failed")
             self._failure = e
+            self._in_flight.clear()
             self._fail_all(repr(e))
 
     async def _loop(self) -> None:
@@ -173,7 +181,6 @@ class EngineCore:
                 if not out.num_scheduled_tokens:
                     await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
                 continue
-            self.scheduler.drain_idle()
             await self._wake.wait()
 
     def _fail_all(self, why: str) -> None:

@@ -51,6 +51,7 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit a signed 64-bit integer"),
         )
         for name, ok, why in checks:
             if not ok:
@@ -89,10 +90,6 @@ class SchedulerOutput:
     # None when nothing is to be zeroed (or the model has no Mamba pages to go stale).
     new_block_ids_to_zero: list[int] | None
     kv_connector_meta: ConnectorMetadata | None = None
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
 
 @dataclass(frozen=True, slots=True)

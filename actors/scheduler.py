@@ -88,22 +88,48 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.req_id in self.requests or req.req_id in self.freed or req.req_id in self._held:
+        if (req.req_id in self.requests or req.req_id in self.freed or req.req_id in self._held
+                or req.req_id in self.loading):
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         if not req.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        total = req.num_prompt_tokens + req.sampling.max_tokens
+        self.check_length(req.num_prompt_tokens, req.sampling.max_tokens)
+        if req.kv_transfer_params is not None:
+            self._check_transfer(req)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse what cannot fit the context or the whole cache, before any work is done."""
+        total = num_prompt_tokens + max_tokens
         if total > self.config.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.sampling.max_tokens}) is "
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
                 f"{total}, beyond the model's context of {self.config.max_model_len} tokens", param="max_tokens")
         attn_blocks = -(-total // self.kv.block_size) * sum(g.kind == "attention" for g in self.kv.groups)
         if attn_blocks + len(self.kv.groups) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"the request needs about {attn_blocks} KV blocks; the cache has {self.kv.num_blocks}",
                 param="max_tokens")
-        self.requests[req.req_id] = req
-        self.waiting.append(req)
+
+    def _check_transfer(self, req: Request) -> None:
+        """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
+        a stalled queue or a failed worker step."""
+        params = req.kv_transfer_params
+        assert params is not None
+        if self.connector is None:
+            raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
+        if params.num_tokens >= req.num_prompt_tokens:
+            raise InvalidRequestError(f"kv_transfer_params cover {params.num_tokens} tokens of a "
+                                      f"{req.num_prompt_tokens}-token prompt", param="kv_transfer_params")
+        if len(params.remote_block_ids) != len(self.kv.groups):
+            raise InvalidRequestError(f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
+                                      f"this model has {len(self.kv.groups)}", param="kv_transfer_params")
+        for group, ids in zip(self.kv.groups, params.remote_block_ids):
+            need = -(-params.num_tokens // self.kv.block_size) if group.kind == "attention" else min(params.num_tokens, 1)
+            if len(ids) != need:
+                raise InvalidRequestError(f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
+                                          f"{params.num_tokens} tokens, expected {need}", param="kv_transfer_params")
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks. On a prefill engine this also drops KV held for
@@ -118,8 +144,9 @@ class Scheduler:
         return self._output(req)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+    def num_held(self) -> int:
+        """Prefill side: requests whose KV waits for a decode side to read it."""
+        return len(self._held)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._needs_polling()
@@ -156,7 +183,8 @@ class Scheduler:
                 self._commit(req, n, step, tokens)
                 budget -= n
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
@@ -167,8 +195,13 @@ class Scheduler:
             external = 0
             if self.connector is not None and not req.load_done:
                 external, _ = self.connector.get_num_new_matched_tokens(req.kv_transfer_params, hit)
+                if external == 0 and req.kv_transfer_params is not None:
+                    self.connector.notify_abandoned(req.kv_transfer_params)  # the local hit covers it all
+                    req.load_done = True
             if external > 0:
-                if self.kv.allocate_slots(req.req_id, hit + external, num_new_computed_tokens=fresh_hit) is None:
+                # Blocks for the whole prompt: once loaded, the request can always compute its
+                # last prompt token without waiting for memory held by others.
+                if self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit) is None:
                     break
                 self._start_remote_load(req, hit, external, step)
                 continue
@@ -324,6 +357,7 @@ class Scheduler:
                 return [self._output(req)]
             valid = self._valid_prefix(req, set(bad_blocks))
             self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2: zeroed before recompute
+            req.zero_fence = self._next_step  # the step that will ship that zeroing
             req.num_computed_tokens = valid
         self.waiting.appendleft(req)
         return []
@@ -358,11 +392,7 @@ class Scheduler:
         req.finish_reason = reason
         # A load in flight may still write the blocks: they are freed when it ends.
         if not keep_blocks and req.req_id not in self.loading:
-            self.freed.release(req.req_id, req.last_step)
+            self.freed.release(req.req_id, max(req.last_step, req.zero_fence))
         del self.requests[req.req_id]
         if req.known_to_workers:
             self._finished_for_workers.append(req.req_id)
-
-    def drain_idle(self) -> None:
-        """Release every fenced block; call only when no step is in flight."""
-        self.freed.reported(self._next_step - 1)

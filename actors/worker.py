@@ -74,7 +74,7 @@ class Worker:
         self.config: ModelConfig = loaded.config
         cache_dtype = parse_dtype(kv_cache_dtype) or next(self.model.parameters()).dtype
         self._layout = plan_layout(self.config, cache_dtype, block_size, num_kv_blocks, kv_cache_memory)
-        # Uninitialised on purpose (see allocate_caches): stale bytes are what zeroing is for.
+        # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
         self.sampler = Sampler(seed, self.device)
         # Touched only by jobs on the stream; read it between steps, never during one.

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from actors.messages import SamplingParams
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from models.generate import greedy_generate
-from models.loader import load_model
+from models.loader import load_config, load_generation_config, load_model
 from serve import launch
 from serve.config import Config
 from serve.config import parse_args as parse_serve_args
@@ -84,7 +84,7 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
         for handle in engines.values():
             ray.get(handle.shutdown.remote())  # type: ignore[attr-defined]
         ray.shutdown()
-    eos = tokenizer.token_to_id("<|endoftext|>")
+    _, eos = load_generation_config(cfg.model, load_config(cfg.model))
     return [tokenizer.decode([t for t in out if t != eos]) for out in outputs]
 
 

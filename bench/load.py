@@ -19,6 +19,7 @@ import json
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -94,16 +95,31 @@ def _layout(text: str) -> tuple[int, int]:
         p, d = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"layout {text!r} is not PxD, e.g. 1x1") from None
+    if p < 0 or d < 1:
+        raise argparse.ArgumentTypeError(f"layout {text!r} needs P >= 0 prefill and D >= 1 decode engines")
     return p, d
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum of {low}")
+        return value
+
+    return parse
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
     parser.description = "Load generator: colocated vs disaggregated layouts through the HTTP server."
     parser.add_argument("--layouts", type=lambda s: [_layout(x) for x in s.split(",")], default=[(0, 1), (1, 1)],
                         help="comma-separated PxD layouts; ratios are against the first (default 0x1,1x1)")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=_at_least(1), default=200)
+    parser.add_argument("--concurrency", type=_at_least(1), default=32)
+    parser.add_argument("--max-tokens", type=_at_least(2), default=32, help="at least 2, to time a token gap")
 
 
 def main(argv: list[str] | None = None) -> None:

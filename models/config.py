@@ -86,10 +86,6 @@ class ModelConfig:
     def mamba_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba")
 
-    @property
-    def is_hybrid(self) -> bool:
-        return bool(self.mamba_layers)
-
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []

@@ -137,3 +137,11 @@ def test_prefix_cache_hit_on_dense_model():
     later = [n.num_computed_tokens for s in worker.steps for n in s.new_reqs][1:]
     assert all(c == 16 for c in later)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
+def test_seed_outside_64_bits_is_a_clear_error(seed):
+    from actors.messages import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=seed, temperature=1.0).validate()

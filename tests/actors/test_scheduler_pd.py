@@ -48,20 +48,20 @@ def test_covered_blocks_are_skipped_only_in_their_step(prompt_len):
     add(s, "d", list(range(prompt_len)), remote("d", granted))
     out = s.schedule()
     assert out is not None and out.num_scheduled_tokens == {}
-    covered = attention_ids(s, "d")
-    assert len(covered) == -(-granted // BS)
-    assert out.new_block_ids_to_zero is None  # every new attention block is covered
+    blocks = attention_ids(s, "d")  # the whole prompt's blocks are allocated up front
+    covered = blocks[: -(-granted // BS)]
+    fresh = blocks[len(covered):]
+    assert len(fresh) == (1 if granted % BS == 0 else 0)
+    assert (out.new_block_ids_to_zero or []) == fresh  # zeroed: the load does not write them
     (load,) = out.kv_connector_meta.loads
     assert list(load.block_ids[0]) == covered and len(load.block_ids[1]) == 1
     assert s.blocks_skipped == len(covered) and not s._skip_zero_block_ids
-    # The load lands; the last prompt token is computed locally into fresh, zeroed blocks.
+    # The load lands; the last prompt token is computed locally, into blocks it already has.
     s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, finished_recving=["d"]))
     nxt = s.schedule()
     assert nxt.num_scheduled_tokens == {"d": 1}
     assert nxt.new_reqs[0].num_computed_tokens == granted
-    fresh = [b for b in attention_ids(s, "d") if b not in covered]
-    assert (nxt.new_block_ids_to_zero or []) == fresh
-    assert len(fresh) == (1 if granted % BS == 0 else 0)
+    assert nxt.new_block_ids_to_zero is None
 
 
 def test_mamba_blocks_never_in_a_zero_list_and_other_requests_still_zeroed():
@@ -192,3 +192,75 @@ def test_abort_on_prefill_drops_held_blocks():
     assert kv.num_free_blocks < kv.num_blocks
     s.abort("x")  # the client left before any decode engine took the request
     assert kv.num_free_blocks == kv.num_blocks and s.connector.num_leases == 0
+
+
+def test_loads_fill_the_pool_without_deadlock():
+    """Loaded requests own blocks for the whole prompt, so they always get to run."""
+    s = decode_scheduler(num_blocks=8)
+    for rid in ("a", "b"):
+        add(s, rid, list(range(9)), remote(rid, 8))
+    out = s.schedule()
+    assert len(out.kv_connector_meta.loads) == 2
+    s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, finished_recving=["a", "b"]))
+    done: set[str] = set()
+    for _ in range(20):
+        step = s.schedule()
+        if step is None:
+            break
+        sampled = {r: 1 for r in step.num_scheduled_tokens}
+        done |= {o.req_id for o in s.update_from_output(step, ModelRunnerOutput(step.step_id, sampled))
+                 if o.finish_reason}
+    assert done == {"a", "b"} and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_loads_count_against_max_num_seqs():
+    kv = KVCacheManager(HYBRID, 200, BS, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(64, 3, 256), kv, StopChecker(None, 256), DisaggConfig("decode", "dec-0"))
+    for i in range(6):
+        add(s, f"r{i}", list(range(9)), remote(f"r{i}", 8))
+    assert len(s.schedule().kv_connector_meta.loads) == 3
+
+
+def test_zeroing_after_a_failed_load_is_fenced_against_reuse():
+    s = decode_scheduler()
+    add(s, "r", list(range(14)), remote("r", 13))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, failed_loads={"r": attention_ids(s, "r")}))
+    s.abort("r")  # before the step carrying its zeroing has run
+    assert s.kv.num_free_blocks < s.kv.num_blocks
+
+
+@pytest.mark.parametrize("params, why", [
+    (remote("x", 12), "cover 12 tokens"),
+    (KVTransferParams("p", "a", ((100,), (500,)), 8, "x"), "expected 2"),
+    (KVTransferParams("p", "a", ((100, 101),), 8, "x"), "cache groups"),
+])
+def test_bad_transfer_params_are_rejected(params, why):
+    from actors.messages import InvalidRequestError
+
+    s = decode_scheduler()
+    with pytest.raises(InvalidRequestError, match=why):
+        add(s, "x", list(range(12)), params)
+
+
+def test_request_id_cannot_be_reused_while_its_load_runs():
+    from actors.messages import InvalidRequestError
+
+    s = decode_scheduler()
+    add(s, "x", list(range(9)), remote("x", 8))
+    s.schedule()
+    s.abort("x")
+    with pytest.raises(InvalidRequestError, match="in use"):
+        add(s, "x", list(range(9)), remote("x", 8))
+
+
+def test_local_hit_covering_the_grant_releases_the_prefill_side():
+    s = decode_scheduler(groups=DENSE, prefix=True)
+    shared = list(range(1, 9))
+    add(s, "a", shared + [50], None)
+    first = s.schedule()
+    s.update_from_output(first, ModelRunnerOutput(first.step_id, {"a": 7}))
+    add(s, "d", shared + [60], remote("d", 8, DENSE))
+    out = s.schedule()
+    assert out.kv_connector_meta.notify == (("agent-p", "d"),)
+    assert out.num_scheduled_tokens["d"] == 1
