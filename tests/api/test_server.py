@@ -225,6 +225,12 @@ def test_dropped_request_frees_its_blocks(server, http):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=0.5)
+    # Under load the server may notice the request only after the client gave up: wait for
+    # it to count the abort, then the blocks must come back within 2 s.
+    deadline = time.monotonic() + 10
+    while metric(http, "raypd_requests_total", outcome="aborted") < aborted + 1:
+        assert time.monotonic() < deadline, "the dropped request was never aborted"
+        time.sleep(0.05)
     wait_blocks_free(server, within_s=2.0)
     assert metric(http, "raypd_requests_total", outcome="aborted") == aborted + 1
 
