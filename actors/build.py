@@ -16,6 +16,7 @@ from actors.stop import StopChecker
 from actors.worker import Worker
 from kv.cache_layout import CacheLayout
 from kv.kv_cache_manager import KVCacheManager
+from models.config import ModelConfig
 from models.loader import load_config, load_generation_config
 from serve.config import Config
 
@@ -42,8 +43,8 @@ def disagg_config(cfg: Config, role: Role, engine_id: str) -> DisaggConfig | Non
                         cfg.kv_load_failure_policy)
 
 
-def make_scheduler(cfg: Config, layout: CacheLayout, disagg: DisaggConfig | None = None) -> Scheduler:
-    model_cfg = load_config(cfg.model)
+def make_scheduler(cfg: Config, model_cfg: ModelConfig, layout: CacheLayout,
+                   disagg: DisaggConfig | None = None) -> Scheduler:
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
     kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
@@ -53,8 +54,9 @@ def make_scheduler(cfg: Config, layout: CacheLayout, disagg: DisaggConfig | None
 
 def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor],
                 disagg: DisaggConfig | None = None) -> EngineCore:
-    _, eos = load_generation_config(cfg.model, load_config(cfg.model))
-    return EngineCore(make_scheduler(cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting)
+    model_cfg = load_config(cfg.model)
+    _, eos = load_generation_config(cfg.model, model_cfg)
+    return EngineCore(make_scheduler(cfg, model_cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting)
 
 
 def build_local_engine(cfg: Config) -> tuple[EngineCore, Worker]:

@@ -18,6 +18,10 @@ from actors.messages import InvalidRequestError, SamplingParams
 MAX_N = 16  # choices per request; each choice is one engine request
 
 
+
+def _unix_now() -> int:
+    return int(time.time())
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -131,7 +135,7 @@ class CompletionChoice(BaseModel):
 class Completion(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
@@ -163,7 +167,7 @@ class ChatChoice(BaseModel):
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -190,7 +194,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
@@ -199,7 +203,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     owned_by: str = "raypd"
     max_model_len: int
 

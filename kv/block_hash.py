@@ -22,17 +22,12 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(data + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of `token_ids`; a partial tail is skipped
-    because its content will still change."""
-    return extend_block_hashes([], token_ids, block_size)
-
-
 def extend_block_hashes(
     hashes: list[bytes], token_ids: Sequence[int], block_size: int
 ) -> list[bytes]:
     """Append to `hashes` (those of the first len(hashes) blocks) the hashes of the
-    remaining full blocks of `token_ids`, so a growing request is hashed only once."""
+    remaining full blocks of `token_ids`, so a growing request is hashed only once. A
+    partial tail is skipped because its content will still change."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     parent = hashes[-1] if hashes else None

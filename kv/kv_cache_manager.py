@@ -51,6 +51,7 @@ class KVCacheManager:
             )
             for group_id, g in enumerate(self.groups)
         )
+        self._attention = tuple(m for m in self.managers if isinstance(m, FullAttentionManager))
         # Fresh attention block ids awaiting zeroing -> owning request, in allocation
         # order (a dict keeps order and refuses duplicates).
         self._pending_zero: dict[int, str] = {}
@@ -83,9 +84,6 @@ class KVCacheManager:
     def num_requests(self) -> int:
         return len(self.managers[0].req_to_blocks)
 
-    def _attention(self) -> list[FullAttentionManager]:
-        return [m for m in self.managers if isinstance(m, FullAttentionManager)]
-
     # -- allocation ---------------------------------------------------------------
 
     def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> int:
@@ -100,10 +98,11 @@ class KVCacheManager:
             return 0
         if req_id in self.managers[0].req_to_blocks:
             raise ValueError(f"request {req_id} already owns blocks")
-        hashes = extend_block_hashes([], token_ids, self.block_size)
+        # A head-of-queue request waiting for memory is looked up every step: hash it once.
+        hashes = extend_block_hashes(self._req_hashes.get(req_id, []), token_ids, self.block_size)
         self._req_hashes[req_id] = hashes
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        num_hit = min(len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention())
+        num_hit = min(len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention)
         self._pending_hits[req_id] = num_hit * self.block_size
         return num_hit * self.block_size
 
@@ -162,7 +161,7 @@ class KVCacheManager:
             )
         hashes = self._req_hashes[req_id][: num_tokens // self.block_size]
         hits: dict[int, list[KVBlock]] = {}
-        for manager in self._attention():
+        for manager in self._attention:
             blocks = manager.find_longest_cache_hit(hashes)
             if len(blocks) < len(hashes):
                 raise RuntimeError(
@@ -182,7 +181,7 @@ class KVCacheManager:
         hashes = self._req_hashes.setdefault(req_id, [])
         if len(hashes) < num_full:
             extend_block_hashes(hashes, token_ids[: num_full * self.block_size], self.block_size)
-        for manager in self._attention():
+        for manager in self._attention:
             manager.cache_blocks(req_id, hashes, num_full)
 
     def free(self, req_id: str) -> None:
@@ -222,7 +221,7 @@ class KVCacheManager:
         if start_token >= end_token:
             return []
         lo, hi = start_token // self.block_size, -(-end_token // self.block_size)
-        return [bid for m in self._attention() for bid in m.block_ids(req_id)[lo:hi]]
+        return [bid for m in self._attention for bid in m.block_ids(req_id)[lo:hi]]
 
     def record_blocks_for_zeroing(self, req_id: str, start_token: int) -> None:
         """Record every attention block from `start_token` on for zeroing (a failed
@@ -230,7 +229,7 @@ class KVCacheManager:
         if start_token % self.block_size:
             raise ValueError(f"start_token {start_token} is not block aligned")
         first = start_token // self.block_size
-        blocks = [b for m in self._attention() for b in m.req_to_blocks.get(req_id, [])[first:]]
+        blocks = [b for m in self._attention for b in m.req_to_blocks.get(req_id, [])[first:]]
         # A block shared through the prefix cache holds another request's valid KV;
         # only the failed load's own blocks, past the local hit, may be zeroed.
         shared = [b.block_id for b in blocks if b.ref_cnt > 1]
@@ -262,5 +261,5 @@ class KVCacheManager:
                 f"block {block.block_id} is owned {count} times but is not a cached block"
             )
         for block_id, req_id in self._pending_zero.items():
-            held = any(block_id in m.block_ids(req_id) for m in self._attention())
+            held = any(block_id in m.block_ids(req_id) for m in self._attention)
             assert held, f"block {block_id} pending zeroing is not held by {req_id}"

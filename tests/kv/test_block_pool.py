@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kv.block_hash import hash_block_tokens, hash_request_blocks
+from kv.block_hash import extend_block_hashes, hash_block_tokens
 from kv.block_pool import BlockPool
 
 
@@ -123,12 +123,12 @@ def test_check_integrity_detects_corruption(corrupt) -> None:
 @pytest.mark.parametrize("block_size", [2, 3, 4])
 def test_request_hashes_cover_full_blocks_and_chain(block_size: int) -> None:
     tokens = list(range(10))
-    hashes = hash_request_blocks(tokens, block_size)
+    hashes = extend_block_hashes([], tokens, block_size)
     assert len(hashes) == 10 // block_size
     assert hashes[0] == hash_block_tokens(None, tokens[:block_size])
     assert hashes[1] == hash_block_tokens(hashes[0], tokens[block_size : 2 * block_size])
     # Same second block behind a different first block: a different hash.
-    other = hash_request_blocks([99] + tokens[1:], block_size)
+    other = extend_block_hashes([], [99] + tokens[1:], block_size)
     assert other[1] != hashes[1]
 
 
