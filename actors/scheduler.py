@@ -70,7 +70,7 @@ class Scheduler:
         self.kv = kv
         self.stop = stop
         self.disagg = disagg
-        self.connector = (NixlSchedulerConnector(kv.groups, kv.block_size, disagg.lease_s)
+        self.connector = (NixlSchedulerConnector(kv.managers, disagg.lease_s)
                           if disagg is not None else None)
         self.agent_name = ""  # the worker's NIXL agent, named in the KVTransferParams we hand out
         self.loading: dict[str, Request] = {}  # waiting for their remote KV
@@ -121,11 +121,10 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
                 f"{total}, beyond the model's context of {self.config.max_model_len} tokens", param="max_tokens")
-        attn_blocks = -(-total // self.kv.block_size) * sum(g.kind == "attention" for g in self.kv.groups)
-        if attn_blocks + len(self.kv.groups) > self.kv.num_blocks:
+        need = sum(m.num_required_blocks(total) for m in self.kv.managers)
+        if need > self.kv.num_blocks:
             raise InvalidRequestError(
-                f"the request needs about {attn_blocks} KV blocks; the cache has {self.kv.num_blocks}",
-                param="max_tokens")
+                f"the request needs {need} KV blocks; the cache has {self.kv.num_blocks}", param="max_tokens")
 
     def _check_transfer(self, req: Request) -> None:
         """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
@@ -140,8 +139,8 @@ class Scheduler:
         if len(params.remote_block_ids) != len(self.kv.groups):
             raise InvalidRequestError(f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
                                       f"this model has {len(self.kv.groups)}", param="kv_transfer_params")
-        for group, ids in zip(self.kv.groups, params.remote_block_ids):
-            need = -(-params.num_tokens // self.kv.block_size) if group.kind == "attention" else min(params.num_tokens, 1)
+        for group, manager, ids in zip(self.kv.groups, self.kv.managers, params.remote_block_ids):
+            need = manager.num_required_blocks(params.num_tokens)
             if len(ids) != need:
                 raise InvalidRequestError(f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
                                           f"{params.num_tokens} tokens, expected {need}", param="kv_transfer_params")
@@ -340,9 +339,9 @@ class Scheduler:
         """This step's new attention blocks minus those a remote load covers; the skip set
         only ever edits the list being built, never one already shipped. Zeroing a block uses
         it: its owner's blocks are not freed before `step` reports."""
-        owners = self.kv.take_new_block_ids_with_owners()
+        owners = self.kv.take_blocks_to_zero()
         skip, self._skip_zero_block_ids = self._skip_zero_block_ids, set()
-        if not self.kv.needs_zeroing:
+        if not self.kv.zeroes_new_blocks:
             return None
         kept = [b for b in owners if b not in skip]
         for req_id in {owners[b] for b in kept}:
@@ -470,7 +469,7 @@ class Scheduler:
     def _valid_prefix(self, req: Request, bad: set[int]) -> int:
         """Tokens still good after a partial load failure: up to the first invalid attention
         block. A hybrid model keeps none: its Mamba state exists only at the prompt's end."""
-        if self.kv.needs_zeroing:
+        if self.kv.zeroes_new_blocks:
             return 0
         end = req.num_computed_tokens + req.num_external_tokens
         for group, ids in zip(self.kv.groups, self.kv.get_block_ids(req.req_id)):
