@@ -7,7 +7,7 @@ recomputed. Under async scheduling step N+1 is scheduled while step N runs: a re
 step N will sample a token carries a placeholder for it, so its next decode step can be
 scheduled before the token is known (the workers know it by then).
 
-Two fences keep memory safe under that overlap (DESIGN.md §1):
+Two fences keep memory safe under that overlap (docs/design.md §3):
 - freed blocks go back to the pool only once the last step that used them has reported;
 - a preempted request is not resumed before that either.
 
@@ -58,7 +58,7 @@ class DisaggConfig:
     role: Literal["prefill", "decode"]
     engine_id: str
     lease_s: float = 60.0
-    # Debug only: zero the blocks a remote load covers, as before the fix (DESIGN.md I6).
+    # Debug only: zero the blocks a remote load covers, as before the fix (docs/design.md §8, I6).
     debug_zero_loaded_blocks: bool = False
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
@@ -287,7 +287,7 @@ class Scheduler:
         return bool(self.loading or self._held)
 
     def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
-        """The fix (DESIGN.md §1): the blocks this load fills stay out of the zero list."""
+        """The fix (docs/design.md §2): the blocks this load fills stay out of the zero list."""
         assert self.connector is not None and req.kv_transfer_params is not None
         req.num_computed_tokens = hit
         req.num_external_tokens = external
@@ -448,7 +448,7 @@ class Scheduler:
             if not self._load_failed(req, why):
                 return []
             valid = self._valid_prefix(req, set(bad_blocks or ()))
-            self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2: zeroed before recompute
+            self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2 (docs/design.md §8): zeroed before recompute
             req.num_computed_tokens = valid
         self.loaded.append(req)
         return []
