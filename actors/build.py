@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
-from actors.worker import Worker
+from actors.worker import Worker, WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.kv_cache_manager import KVCacheManager
 from models.config import ModelConfig
@@ -26,21 +26,23 @@ log = logging.getLogger(__name__)
 Role = Literal["colocated", "prefill", "decode"]
 
 
-def worker_kwargs(cfg: Config, role: Role = "colocated", engine_id: str = "") -> dict[str, object]:
-    return dict(dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.resolved_device,
-                block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
-                seed=cfg.seed, stream_delay_s=cfg.debug_stream_delay_ms / 1000, kv_role=role, engine_id=engine_id,
-                kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0)
+def worker_config(cfg: Config, role: Role = "colocated", engine_id: str = "", nixl_agent_name: str = "") -> WorkerConfig:
+    return WorkerConfig(cfg.model, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.resolved_device,
+                        block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                        kv_cache_memory=cfg.kv_cache_memory, seed=cfg.seed,
+                        stream_delay_s=cfg.debug_stream_delay_ms / 1000, kv_role=role, engine_id=engine_id,
+                        nixl_agent_name=nixl_agent_name,
+                        kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0)
 
 
-def disagg_config(cfg: Config, role: Role, engine_id: str) -> DisaggConfig | None:
+def disagg_config(cfg: Config, role: Role, engine_id: str, agent_name: str = "") -> DisaggConfig | None:
     if role == "colocated":
         return None
     if cfg.debug_zero_loaded_blocks and role == "decode":
         log.warning("DEBUG --debug-zero-loaded-blocks is ON in %s: blocks filled by remote KV loads are zeroed "
                     "(the pre-fix behaviour); outputs can be wrong", engine_id)
     return DisaggConfig(role, engine_id, float(cfg.kv_lease_s), cfg.debug_zero_loaded_blocks,
-                        cfg.kv_load_failure_policy)
+                        cfg.kv_load_failure_policy, agent_name)
 
 
 def make_scheduler(cfg: Config, model_cfg: ModelConfig, layout: CacheLayout,
@@ -61,7 +63,7 @@ def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor],
 
 def build_local_engine(cfg: Config) -> tuple[EngineCore, Worker]:
     """Scheduler and one worker in this process: the same classes as the Ray deployment."""
-    worker = Worker(cfg.model, **worker_kwargs(cfg))  # type: ignore[arg-type]
+    worker = Worker(worker_config(cfg))
 
     def run(out):  # type: ignore[no-untyped-def]
         return asyncio.wrap_future(worker.execute_model(out))

@@ -29,6 +29,8 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound; the client should retry later (HTTP 503)."""
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 # top_k beyond the vocabulary means "off"; the sampler clamps it. The bound keeps it a C int.
 MAX_TOP_K = 2**31 - 1
 
@@ -54,7 +56,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32 to inf and NaN: such a request
+        # would sample garbage. It is greedy for every practical purpose, so it is greedy.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self) -> None:
         """Refuse what the sampler cannot run; the engine checks again at admission, because

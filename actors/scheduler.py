@@ -61,7 +61,6 @@ class Scheduler(DisaggScheduling):
         self.disagg = disagg
         self.connector = (NixlSchedulerConnector(kv.managers, disagg.lease_s)
                           if disagg is not None else None)
-        self.agent_name = ""  # the worker's NIXL agent, named in the KVTransferParams we hand out
         self.loading: dict[str, Request] = {}  # waiting for their remote KV
         # Loads that ended (or failed, to be recomputed): each owns blocks for its whole prompt,
         # so it is admitted ahead of `waiting`, where a preempted request waiting for memory

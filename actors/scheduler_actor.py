@@ -7,11 +7,12 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import ray
 
-from actors.build import Role, disagg_config, make_engine, worker_kwargs
+from actors.build import Role, disagg_config, make_engine, worker_config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 from actors.worker_actor import RemoteWorker
 from kv.nixl_worker import PeerInfo
@@ -23,15 +24,15 @@ class SchedulerActor:
         self.config = Config.from_dict(config)
         self.role = role
         self.engine_id = engine_id
+        # Unique per incarnation: a replaced engine's agent must not be confused with the old one.
+        agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}" if role != "colocated" else ""
         self.workers = [
-            RemoteWorker.remote(self.config.model, num_threads=self.config.worker_threads,
-                                **worker_kwargs(self.config, role, engine_id))
+            RemoteWorker.remote(worker_config(self.config, role, engine_id, agent_name),
+                                num_threads=self.config.worker_threads)
         ]
         layout = ray.get(self.workers[0].layout.remote())
-        disagg = disagg_config(self.config, role, engine_id)
+        disagg = disagg_config(self.config, role, engine_id, agent_name)
         self.core = make_engine(self.config, layout, [w.execute_model.remote for w in self.workers], disagg)
-        if role == "prefill":
-            self.core.scheduler.agent_name = ray.get(self.workers[0].nixl_peer.remote()).agent_name
 
     async def ready(self) -> bool:
         return True

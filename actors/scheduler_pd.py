@@ -35,6 +35,7 @@ class DisaggConfig:
     # Debug only: zero the blocks a remote load covers, as before the fix (docs/design.md §8, I6).
     debug_zero_loaded_blocks: bool = False
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    agent_name: str = ""  # prefill: the worker's NIXL agent, named in the KVTransferParams handed out
 
 
 class DisaggScheduling:
@@ -44,7 +45,6 @@ class DisaggScheduling:
     freed: DeferredFree
     disagg: DisaggConfig | None
     connector: NixlSchedulerConnector | None
-    agent_name: str
     loading: dict[str, Request]
     loaded: deque[Request]
     _held: dict[str, int]
@@ -95,7 +95,7 @@ class DisaggScheduling:
     def _hand_over(self, req: Request) -> RequestOutput:
         """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
         assert self.connector is not None and self.disagg is not None
-        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.agent_name,
+        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.disagg.agent_name,
                                                  self.kv.get_block_ids(req.req_id), req.num_prompt_tokens)
         self._held[req.req_id] = req.last_step
         self._finish(req, "length", keep_blocks=True)

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -58,41 +59,47 @@ class RequestState:
     num_computed: int  # tokens whose KV / state is in the cache
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker is built from; it crosses Ray as plain data."""
+
+    model_dir: str
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    seed: int = 0
+    stream_delay_s: float = 0.0  # tests: make the compute stream lag
+    kv_role: Literal["colocated", "prefill", "decode"] = "colocated"
+    engine_id: str = ""
+    # The worker's NIXL agent (prefill and decode roles): chosen by the engine, which names it
+    # in the KVTransferParams it hands out.
+    nixl_agent_name: str = ""
+    kv_fail_fraction: float = 0.0  # tests: fail this share of KV loads
+
+
 class Worker:
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        device: str = "cpu",
-        block_size: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        seed: int = 0,
-        stream_delay_s: float = 0.0,
-        kv_role: str = "colocated",
-        engine_id: str = "",
-        kv_fail_fraction: float = 0.0,
-    ) -> None:
-        self.device = torch.device(device)
-        loaded = load_model(model_dir, dtype=parse_dtype(dtype), device=self.device)
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.device = torch.device(cfg.device)
+        loaded = load_model(cfg.model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
-        cache_dtype = parse_dtype(kv_cache_dtype) or next(self.model.parameters()).dtype
-        self._layout = plan_layout(self.config, cache_dtype, block_size, num_kv_blocks, kv_cache_memory)
+        cache_dtype = parse_dtype(cfg.kv_cache_dtype) or next(self.model.parameters()).dtype
+        self._layout = plan_layout(self.config, cache_dtype, cfg.block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(cfg.seed, self.device)
         # Touched only by jobs on the stream; read it between steps, never during one.
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None
-        self._stream = ComputeStream(self.device, stream_delay_s)
+        self._stream = ComputeStream(self.device, cfg.stream_delay_s)
         # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
-        # decode worker reads. `kv_fail_fraction` is the tests' fault injection.
-        self.connector = (None if kv_role == "colocated" else NixlWorkerConnector(
-            engine_id, self.buffers, self._layout.page_bytes, self._layout.num_blocks,
-            fail_fraction=kv_fail_fraction, fail_seed=seed))
+        # decode worker reads.
+        self.connector = (None if cfg.kv_role == "colocated" else NixlWorkerConnector(
+            cfg.engine_id, self.buffers, self._layout.page_bytes, self._layout.num_blocks,
+            agent_name=cfg.nixl_agent_name or None, fail_fraction=cfg.kv_fail_fraction, fail_seed=cfg.seed))
         self._faults_to_inject = 0
 
     def inject_faults(self, num_steps: int) -> None:

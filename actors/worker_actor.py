@@ -12,13 +12,12 @@ every step to every worker.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import ray
 import torch
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
-from actors.worker import Worker
+from actors.worker import Worker, WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.nixl_worker import PeerInfo
 
@@ -28,15 +27,13 @@ MAX_CONCURRENCY = 4
 
 
 class WorkerActor:
-    def __init__(
-        self, model_dir: str, *, num_threads: int | None = None, step_wait_s: float = 60.0, **worker_kwargs: Any
-    ) -> None:
+    def __init__(self, cfg: WorkerConfig, *, num_threads: int | None = None, step_wait_s: float = 60.0) -> None:
         """`num_threads` caps torch's threads in this process, so two workers on one machine do
         not fight over the same cores. Steps are numbered from 0; one that waits longer than
-        `step_wait_s` for its predecessor fails. `worker_kwargs` go to `Worker`."""
+        `step_wait_s` for its predecessor fails."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self._worker = Worker(model_dir, **worker_kwargs)
+        self._worker = Worker(cfg)
         self._next_step = 0
         self._step_wait_s = step_wait_s
         self._turn = asyncio.Condition()

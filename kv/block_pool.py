@@ -14,6 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
+class IntegrityError(AssertionError):
+    """A cache's bookkeeping contradicts itself. Raised explicitly, not by `assert`, so the
+    check holds under `python -O` too; an AssertionError all the same, since it is one."""
+
+
 @dataclass(slots=True)
 class KVBlock:
     """A page of KV memory as the scheduler sees it.
@@ -121,28 +126,22 @@ class BlockPool:
         block.block_hash = None
 
     def check_integrity(self) -> None:
-        """Raise AssertionError describing the first inconsistency found."""
+        """Raise IntegrityError describing the first inconsistency found."""
         for block_id, block in self._free.items():
-            assert block is self.blocks[block_id], (
-                f"free queue key {block_id} holds block {block.block_id}"
-            )
-            assert block.ref_cnt == 0, f"block {block_id} is free with ref_cnt {block.ref_cnt}"
+            if block is not self.blocks[block_id]:
+                raise IntegrityError(f"free queue key {block_id} holds block {block.block_id}")
+            if block.ref_cnt != 0:
+                raise IntegrityError(f"block {block_id} is free with ref_cnt {block.ref_cnt}")
         for block in self.blocks:
-            if block.block_id not in self._free:
-                assert block.ref_cnt > 0, (
-                    f"block {block.block_id} is neither free nor referenced "
-                    f"(ref_cnt {block.ref_cnt}): leaked"
-                )
+            if block.block_id not in self._free and block.ref_cnt <= 0:
+                raise IntegrityError(f"block {block.block_id} is neither free nor referenced "
+                                     f"(ref_cnt {block.ref_cnt}): leaked")
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        assert num_used + len(self._free) == self.num_blocks, (
-            f"free {len(self._free)} + used {num_used} != total {self.num_blocks}"
-        )
+        if num_used + len(self._free) != self.num_blocks:
+            raise IntegrityError(f"free {len(self._free)} + used {num_used} != total {self.num_blocks}")
         for block_hash, block in self._cached.items():
-            assert block.block_hash == block_hash, (
-                f"hash map entry points to block {block.block_id} carrying another hash"
-            )
+            if block.block_hash != block_hash:
+                raise IntegrityError(f"hash map entry points to block {block.block_id} carrying another hash")
         for block in self.blocks:
-            if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) is block, (
-                    f"block {block.block_id} carries a hash the map does not know"
-                )
+            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+                raise IntegrityError(f"block {block.block_id} carries a hash the map does not know")

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kv.block_hash import extend_block_hashes
-from kv.block_pool import BlockPool, KVBlock
+from kv.block_pool import BlockPool, IntegrityError, KVBlock
 from kv.single_type_manager import FullAttentionManager, MambaManager, SingleTypeManager
 from models.batch import CacheGroup
 
@@ -267,12 +267,10 @@ class KVCacheManager:
                 owners.update(b.block_id for b in blocks)
         for block in self.pool.blocks:
             count = owners[block.block_id]
-            assert block.ref_cnt == count, (
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} owners"
-            )
-            assert count <= 1 or block.block_hash is not None, (
-                f"block {block.block_id} is owned {count} times but is not a cached block"
-            )
+            if block.ref_cnt != count:
+                raise IntegrityError(f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} owners")
+            if count > 1 and block.block_hash is None:
+                raise IntegrityError(f"block {block.block_id} is owned {count} times but is not a cached block")
         for block_id, req_id in self._blocks_to_zero.items():
-            held = any(block_id in m.block_ids(req_id) for m in self._attention)
-            assert held, f"block {block_id} pending zeroing is not held by {req_id}"
+            if not any(block_id in m.block_ids(req_id) for m in self._attention):
+                raise IntegrityError(f"block {block_id} pending zeroing is not held by {req_id}")

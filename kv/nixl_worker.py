@@ -114,6 +114,7 @@ class NixlWorkerConnector:
         num_blocks: int,
         *,
         backends: Sequence[str] = ("UCX",),
+        agent_name: str | None = None,
         poll_interval_s: float | None = 0.001,
         fail_fraction: float = 0.0,
         fail_seed: int = 0,
@@ -136,7 +137,8 @@ class NixlWorkerConnector:
         self.engine_id = engine_id
         self.page_bytes = page_bytes
         self.num_blocks = num_blocks
-        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}"
+        # Unique per incarnation: a restarted engine's agent must never be mistaken for the old one.
+        self.agent_name = agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}"
         self._buffers = list(buffers)  # registered memory must outlive the registration
         self._base_addrs = tuple(buf.data_ptr() for buf in buffers)
         self._mem_type = "VRAM" if device.type == "cuda" else "DRAM"

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import ray
 
-from actors.client import EngineCalls, EngineClient
+from actors.client import ActorSlot, EngineCalls, EngineClient
 from actors.scheduler_actor import RemoteScheduler
 from serve.config import Config
 from tests.actors.test_engine import alone, serve_all, workload
@@ -31,7 +31,7 @@ def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
     ray.get(engine.ready.remote())
 
     async def main():
-        client = EngineClient(EngineCalls.remote(engine))
+        client = EngineClient(EngineCalls.remote(ActorSlot(engine)))
         got = await serve_all(client, reqs)
         await client.close()
         return got

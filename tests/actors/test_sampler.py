@@ -92,3 +92,10 @@ def test_nan_logits_do_not_raise():
     logits = torch.full((2, V), float("nan"))
     result = _sample([SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)], logits)
     assert len(result.token_ids) == 2
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    params = [SamplingParams(temperature=1e-40)]
+    result = Sampler(0, "cpu").sample(logits, params, [None])
+    assert params[0].greedy and result.token_ids == [1]

@@ -159,9 +159,9 @@ def test_abort_before_load_notifies_prefill():
 def test_prefill_side_holds_blocks_until_notified_or_lease():
     kv = KVCacheManager(HYBRID, 40, BS, enable_prefix_caching=False)
     clock = [0.0]
-    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256), DisaggConfig("prefill", "pre-0", lease_s=5))
+    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256),
+                  DisaggConfig("prefill", "pre-0", lease_s=5, agent_name="agent-p"))
     s.connector.clock = lambda: clock[0]
-    s.agent_name = "agent-p"
     for rid in ("x", "y"):
         s.add_request(Request(rid, list(range(9)), SamplingParams(max_tokens=1, temperature=0), None,
                               do_remote_decode=True))
@@ -183,8 +183,8 @@ def test_prefill_side_holds_blocks_until_notified_or_lease():
 
 def test_abort_on_prefill_drops_held_blocks():
     kv = KVCacheManager(HYBRID, 40, BS, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256), DisaggConfig("prefill", "pre-0"))
-    s.agent_name = "agent-p"
+    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256),
+                  DisaggConfig("prefill", "pre-0", agent_name="agent-p"))
     s.add_request(Request("x", list(range(9)), SamplingParams(max_tokens=1, temperature=0), None,
                           do_remote_decode=True))
     out = s.schedule()

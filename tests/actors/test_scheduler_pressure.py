@@ -12,7 +12,7 @@ from actors.client import EngineCalls, EngineClient
 from actors.engine import EngineCore
 from actors.messages import InvalidRequestError, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from actors.request import Request
-from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
+from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
 from kv.transfer_params import KVTransferParams

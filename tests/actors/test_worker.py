@@ -17,7 +17,7 @@ from actors.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from actors.worker import Worker
+from actors.worker import Worker, WorkerConfig
 from models.generate import greedy_generate
 from tests.models.hf_fixtures import save_hf_model
 
@@ -35,7 +35,7 @@ def checkpoint(request, tmp_path_factory) -> str:
 
 def make_worker(path: str, **kw) -> Worker:
     """A worker whose every page starts as fp32 NaN bits, the worst stale content there is."""
-    worker = Worker(path, block_size=BLOCK, num_kv_blocks=kw.pop("num_kv_blocks", 64), **kw)
+    worker = Worker(WorkerConfig(path, block_size=BLOCK, num_kv_blocks=kw.pop("num_kv_blocks", 64), **kw))
     for buf in worker.buffers:
         buf.view(torch.float32).fill_(float("nan"))
     return worker

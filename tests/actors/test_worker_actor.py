@@ -10,6 +10,7 @@ import ray
 import torch
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
+from actors.worker import WorkerConfig
 from actors.worker_actor import RemoteWorker, WorkerActor
 from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
 from tests.models.hf_fixtures import save_hf_model
@@ -40,8 +41,8 @@ def cluster():
 
 @pytest.fixture
 def actor(cluster, checkpoint):
-    handle = RemoteWorker.remote(checkpoint, num_threads=1, block_size=BLOCK, num_kv_blocks=64,
-                                 stream_delay_s=0.02)
+    handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=64, stream_delay_s=0.02),
+                                 num_threads=1)
     assert ray.get(handle.ready.remote())
     yield handle
     ray.get(handle.shutdown.remote())
@@ -81,14 +82,14 @@ def test_early_step_waits_for_its_predecessor_and_errors_reach_the_caller(actor,
 def test_num_threads_is_applied(checkpoint):
     before = torch.get_num_threads()
     try:
-        WorkerActor(checkpoint, num_threads=1, block_size=BLOCK, num_kv_blocks=8).shutdown()
+        WorkerActor(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8), num_threads=1).shutdown()
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
 
 def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
-    worker = WorkerActor(checkpoint, block_size=BLOCK, num_kv_blocks=8, step_wait_s=0.05)
+    worker = WorkerActor(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8), step_wait_s=0.05)
     with pytest.raises(TimeoutError, match="step 1 waited .* for step 0"):
         asyncio.run(worker.execute_model(SchedulerOutput(1, [], [], {}, [], None)))
     worker.shutdown()

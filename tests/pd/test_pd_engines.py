@@ -9,7 +9,7 @@ import uuid
 import pytest
 import ray
 
-from actors.client import EngineCalls, EngineClient
+from actors.client import ActorSlot, EngineCalls, EngineClient
 from actors.messages import SamplingParams
 from actors.scheduler_actor import RemoteScheduler
 from serve.config import Config
@@ -39,7 +39,7 @@ async def pd_generate(pre: EngineClient, dec: EngineClient, prompt, sampling):
 
 def serve_pd(prefill, decode, reqs):
     async def main():
-        pre, dec = EngineClient(EngineCalls.remote(prefill)), EngineClient(EngineCalls.remote(decode))
+        pre, dec = (EngineClient(EngineCalls.remote(ActorSlot(h))) for h in (prefill, decode))
         sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
         res = await asyncio.gather(*(pd_generate(pre, dec, p, sp(n)) for p, n in reqs))
         await pre.close()
