@@ -18,10 +18,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from actors.messages import SamplingParams
+from actors.messages import InvalidRequestError, SamplingParams
 
 MAX_N = 16  # choices per request; each choice is one engine request
 MAX_PROMPTS = 64  # prompts in one completion request, each run n times
+MAX_CHOICES = 128  # prompts x n: engine requests a response waits on, all of them queued at once
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256  # the engine decodes this many tokens' text after each step to find one
 MAX_TEXT_CHARS = 2**20  # a prompt or a message; far beyond any context, so only a bound on work
@@ -110,9 +111,11 @@ class CompletionRequest(_SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize, or token ids as given."""
         p = self.prompt
-        if isinstance(p, str) or isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if len(prompts) * self.num_choices > MAX_CHOICES:
+            raise InvalidRequestError(f"{len(prompts)} prompts with n={self.num_choices} are more than "
+                                      f"{MAX_CHOICES} choices", param="n")
+        return prompts  # type: ignore[return-value]
 
 
 class TextPart(_Request):

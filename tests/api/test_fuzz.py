@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.protocol import MAX_TEXT_CHARS
+from api.protocol import MAX_PROMPTS, MAX_TEXT_CHARS
 from serve import launch
 from serve.config import Config
 from tests.api.conftest import free_port
@@ -159,6 +159,52 @@ def test_finding_7_top_k_beyond_int64_is_a_400_and_the_engine_lives(http):
     r = post(http, "/v1/completions", {"model": NAME, "prompt": README_EXAMPLE["prompt"], "top_k": 9223372036854775808})
     assert r.status_code == 400 and error_of(r)["param"] == "top_k", r.text
     assert completes(http, "/v1/completions", README_EXAMPLE).startswith("027")
+
+
+# Requests the API once answered wrongly, each now a 400 naming the field.
+REGRESSIONS = [
+    ("/v1/completions", {"prompt": SURROGATE}, "prompt"),  # a 500: the tokenizer raised TypeError
+    ("/v1/completions", {"model": SURROGATE}, "model"),  # a 500: the 404's body could not be encoded
+    ("/v1/chat/completions", {"messages": _message(content="a" + SURROGATE)}, "messages"),  # a 500
+    ("/v1/completions", {"prompt": [True, 1]}, "prompt"),  # served as token ids [1, 1]
+    ("/v1/completions", {"stream": 1}, "stream"),  # taken as true
+    ("/v1/completions", {"max_tokens": "4"}, "max_tokens"),  # taken as 4
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # ignored
+    ("/v1/completions", {"prompt": ["a"] * MAX_PROMPTS, "n": 16}, "n"),  # 1024 engine requests: a 503
+    ("/v1/completions", {"prompt": LONG}, "prompt"),  # a million token ids shipped to the engines
+    ("/v1/chat/completions", {"max_completion_tokens": CONTEXT}, "max_completion_tokens"),  # named max_tokens
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # any number of stop strings
+]
+
+
+@pytest.mark.parametrize("path, fields, param", REGRESSIONS, ids=[f"{p}-{f}" for _, f, p in REGRESSIONS])
+def test_requests_once_answered_wrongly_are_400_naming_the_field(http, path, fields, param):
+    body = {**README_EXAMPLE, **fields}
+    if path == "/v1/chat/completions":
+        body.pop("prompt")
+        body.setdefault("messages", _message())
+    r = post(http, path, body)
+    assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+
+
+def test_openapi_states_the_real_bounds(http):
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    fields = schemas["CompletionRequest"]["properties"]
+
+    def bounds(name: str) -> dict[str, Any]:
+        (number,) = [s for s in fields[name]["anyOf"] if s.get("type") in ("integer", "number")]
+        return {k: v for k, v in number.items() if k != "type"}
+
+    assert bounds("top_k") == {"minimum": -1, "maximum": 2**31 - 1}
+    assert bounds("temperature") == {"minimum": 0, "maximum": 2}
+    assert bounds("top_p") == {"exclusiveMinimum": 0, "maximum": 1}
+    assert bounds("n") == {"minimum": 1, "maximum": 16}
+    assert bounds("max_tokens") == {"minimum": 1}
+    assert bounds("logprobs") == {"minimum": 0, "maximum": 5}
+    (stop_list,) = [s for s in fields["stop"]["anyOf"] if s.get("type") == "array"]
+    assert stop_list["maxItems"] == 4 and stop_list["items"]["minLength"] == 1
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["minItems"] == 1
 
 
 EDGES = [
