@@ -174,6 +174,11 @@ REGRESSIONS = [
     ("/v1/completions", {"prompt": LONG}, "prompt"),  # a million token ids shipped to the engines
     ("/v1/chat/completions", {"max_completion_tokens": CONTEXT}, "max_completion_tokens"),  # named max_tokens
     ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # any number of stop strings
+    # Nested fields the fuzzed requests reach only behind another broken one.
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [*_message(), {"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages"),
 ]
 
 
@@ -241,6 +246,12 @@ RAW_BODIES = [
     (b"prompt=a&max_tokens=2", "application/x-www-form-urlencoded"),
     (json.dumps(README_EXAMPLE).encode(), "text/plain"),
 ]
+
+
+def test_wrong_method_and_path_get_openai_errors(http):
+    for r, status in ((http.get("/v1/completions"), 405), (http.post("/v1/nothing", json={}), 404)):
+        assert r.status_code == status, r.text
+        error_of(r)
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
