@@ -35,13 +35,13 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed tak
 
 
 # Every string has a length bound, and pydantic checks a bounded string for valid unicode
-# (error `string_unicode`): JSON can carry lone surrogates ("\\ud800"), which no tokenizer
+# (error `string_unicode`): JSON can carry lone surrogates ("\ud800"), which no tokenizer
 # and no UTF-8 response can hold.
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_TEXT_CHARS)]
-MaxTokens = Annotated[int, Field(ge=1)]  # its upper bound is the context, checked by the engine
+MaxTokens = Annotated[int, Field(ge=1)]  # its upper bound, the context less the prompt, is checked once tokenized
 Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 

@@ -37,7 +37,7 @@ README_EXAMPLE = {"model": NAME, "prompt": "ab=381;qe=027;zt=950;?qe=", "max_tok
 NAN, INF = float("nan"), float("inf")
 SURROGATE = "\ud800"  # json.dumps writes it as the escape "\ud800", which json.loads reads back unpaired
 HUGE = "x" * (MAX_TEXT_CHARS + 1)  # beyond the schema's bound
-LONG = "ab=381;" * 150_000  # within the bound, a million characters: far beyond the context
+LONG = ("ab=381;" * 150_000)[:10**6]  # a million characters: within the bound, far beyond the context
 
 NOT_INT = ["1", "", SURROGATE, 1.5, 2.0, NAN, INF, -INF, True, False, [], [1], {}, {"a": 1}]
 NOT_NUMBER = ["0.5", "", SURROGATE, True, False, [], [0.5], {}, {"a": 1}]
@@ -59,7 +59,8 @@ COMMON: dict[str, list[Any]] = {
     "top_p": [*NOT_NUMBER, NAN, INF, -INF, 0, 0.0, -0.5, 1.01, *BEYOND_INT64],
     "top_k": [*NOT_INT, -2, 2**31, 2**63 - 1, *BEYOND_INT64],
     "seed": [*NOT_INT, *BEYOND_INT64],
-    "stop": [0, 1.5, NAN, True, {}, {"a": "b"}, "", [""], ["a"] * 5, "x" * 257, ["x" * 257], [1], [None], [["a"]], SURROGATE, [SURROGATE]],
+    "stop": [0, 1.5, NAN, True, {}, {"a": "b"}, "", [""], ["a"] * 5, "x" * 257, ["x" * 257], [1], [None], [["a"]],
+             SURROGATE, [SURROGATE]],
     "n": [*NOT_INT, 0, -1, 17, *BEYOND_INT64],
     "stream": NOT_BOOL,
     "stream_options": [{"include_usage": True}, {}, "yes", 1, [], [{"include_usage": True}]],  # stream is false
@@ -156,7 +157,8 @@ def completes(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
 
 def test_finding_7_top_k_beyond_int64_is_a_400_and_the_engine_lives(http):
     # Sampled (the default temperature), so the decode engine's sampler would see top_k.
-    r = post(http, "/v1/completions", {"model": NAME, "prompt": README_EXAMPLE["prompt"], "top_k": 9223372036854775808})
+    body = {"model": NAME, "prompt": README_EXAMPLE["prompt"], "top_k": 9223372036854775808}
+    r = post(http, "/v1/completions", body)
     assert r.status_code == 400 and error_of(r)["param"] == "top_k", r.text
     assert completes(http, "/v1/completions", README_EXAMPLE).startswith("027")
 
