@@ -30,6 +30,7 @@ from api.errors import (
 )
 from api.formats import ChatFormat, CompletionFormat, Format, usage_of
 from api.generation import Choice, Delta, start
+from api.limits import BodyLimit
 from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
@@ -205,6 +206,7 @@ def create_app(cfg: Config, router: Router, model: TextModel | None = None) -> F
         await router.close()
 
     app = FastAPI(title="raypd", lifespan=lifespan)
+    app.add_middleware(BodyLimit)
     app.state.server = server
     install_error_handlers(app, server.on_error)
     v1 = APIRouter(prefix="/v1", dependencies=[_auth(cfg.api_key)] if cfg.api_key else [])

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from api.limits import MAX_BODY_BYTES
 from api.protocol import MAX_PROMPTS, MAX_TEXT_CHARS
 from serve import launch
 from serve.config import Config
@@ -250,6 +251,12 @@ RAW_BODIES = [
     (b"prompt=a&max_tokens=2", "application/x-www-form-urlencoded"),
     (json.dumps(README_EXAMPLE).encode(), "text/plain"),
 ]
+
+
+def test_a_body_beyond_the_limit_is_413(http):
+    r = http.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    error_of(r)
 
 
 def test_wrong_method_and_path_get_openai_errors(http):
