@@ -40,17 +40,29 @@ class EngineCalls:
         return cls(add, abort, core.get_outputs)
 
     @classmethod
-    def remote(cls, handle: Any) -> EngineCalls:
+    def remote(cls, slot: ActorSlot) -> EngineCalls:
+        """A `SchedulerActor`, reached through whatever handle `slot` holds at call time."""
+
         async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
-            await handle.add_request.remote(req_id, ids, sp, **kw)
+            await slot.handle.add_request.remote(req_id, ids, sp, **kw)
 
         async def abort(req_id: str) -> None:
-            await handle.abort.remote(req_id)
+            await slot.handle.abort.remote(req_id)
 
         async def get(timeout: float) -> list[RequestOutput]:
-            return await handle.get_outputs.remote(timeout)
+            return await slot.handle.get_outputs.remote(timeout)
 
         return cls(add, abort, get)
+
+
+class ActorSlot:
+    """The current handle of a named engine actor: a supervisor that re-creates the actor puts
+    the new handle here, and every later call goes to it."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
 
 
 class EngineClient:
@@ -73,8 +85,13 @@ class EngineClient:
         try:
             await self.calls.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params=kv_transfer_params,
                                          do_remote_decode=do_remote_decode)
-        except BaseException:
+        except BaseException as e:
             self._queues.pop(req_id, None)
+            if not isinstance(e, Exception):
+                # Cancelled while the call was in flight: the engine may have the request (a
+                # remote call cannot be taken back), and nobody would ever abort it. If the
+                # abort overtakes the call, the engine refuses the late request instead.
+                await asyncio.shield(self.calls.abort(req_id))
             raise
         finished = False
         try:

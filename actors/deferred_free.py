@@ -21,6 +21,10 @@ class DeferredFree:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._ids
 
+    def __len__(self) -> int:
+        """Requests whose blocks wait for a step in flight."""
+        return len(self._pending)
+
     def release(self, req_id: str, last_step: int) -> bool:
         """Free the request's blocks now if no step in flight uses them (True), else at the fence."""
         if last_step <= self.last_reported:

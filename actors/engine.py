@@ -10,6 +10,7 @@ one process for tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections import deque
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # Called synchronously when a step is dispatched (so steps reach each worker in order);
 # the awaitable resolves with the worker's result.
 _POLL_INTERVAL_S = 0.002
+_STALL_RECHECK_S = 0.05
 
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
@@ -127,7 +129,8 @@ class EngineCore:
         return EngineStats(len(s.running), len(s.waiting), s.kv.num_blocks, s.kv.num_free_blocks,
                            s.blocks_zeroed, s.blocks_skipped,
                            {"steps": self.num_steps, "preemptions": s.num_preemptions, "loading": len(s.loading),
-                            "held_for_decode": s.num_held, "failed_loads": s.num_failed_loads})
+                            "held_for_decode": s.num_held, "failed_loads": s.num_failed_loads,
+                            "expired_leases": s.num_expired_leases})
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""
@@ -170,18 +173,27 @@ class EngineCore:
             self._wake.clear()
             if len(flight) < self.depth and self.scheduler.has_work():
                 out = self.scheduler.schedule()
+                self._publish(self.scheduler.take_outputs())
                 if out is not None:
                     flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
                     continue
             if flight:
-                out, fut = flight.popleft()
+                out, fut = flight[0]
                 results = await fut
+                # Popped only once applied: until then `wait_idle` must see the step in flight.
+                flight.popleft()
                 self.num_steps += 1
                 self._publish(self.scheduler.update_from_output(out, results[0]))
                 if not out.num_scheduled_tokens:
                     await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
                 continue
-            await self._wake.wait()
+            if not self.scheduler.has_work():
+                await self._wake.wait()
+                continue
+            # Work that cannot run yet with no step in flight (it waits on time: a lease, a
+            # transfer) must still be looked at again without a wake-up.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _STALL_RECHECK_S)
 
     def _fail_all(self, why: str) -> None:
         failed = []

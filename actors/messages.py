@@ -29,6 +29,18 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound; the client should retry later (HTTP 503)."""
 
 
+# top_k beyond the vocabulary means "off"; the sampler clamps it. The bound keeps it a C int.
+MAX_TOP_K = 2**31 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -45,13 +57,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
+        """Refuse what the sampler cannot run; the engine checks again at admission, because
+        a request that fails inside a step costs that step's other requests their work."""
         checks = (
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer of at least 1"),
+            ("temperature", _is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+             f"must be an integer in [0, {MAX_TOP_K}] (0 disables it)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit a signed 64-bit integer"),
+            ("seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+             "must fit a signed 64-bit integer"),
         )
         for name, ok, why in checks:
             if not ok:
@@ -104,6 +120,9 @@ class ModelRunnerOutput:
     finished_sending: list[str] = field(default_factory=list)
     finished_recving: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
+    # Requests this worker could not run (a bad message, a failed forward or sampling): each
+    # fails alone with the reason; the rest of the step ran.
+    failed_reqs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

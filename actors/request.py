@@ -35,11 +35,9 @@ class Request:
     num_computed_tokens: int = 0
     num_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # The last step that used this request's blocks: they are freed only once it reports.
+    # The last step that used this request's blocks (computed into them or zeroed them):
+    # they are freed only once it reports.
     last_step: int = -1
-    # A step that will zero its blocks without computing it (after a failed load): freeing
-    # them must also wait for that step, or the shipped zeroing could hit a new owner.
-    zero_fence: int = -1
     known_to_workers: bool = False
     resumed: bool = False
     finish_reason: str | None = None

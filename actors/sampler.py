@@ -78,7 +78,8 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """Probabilities after temperature, top-k and top-p, for rows that all sample (temperature > 0)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     scaled = logits.float() / temps[:, None]
     ordered, order = scaled.sort(dim=-1, descending=True)

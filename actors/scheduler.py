@@ -43,6 +43,8 @@ from kv.nixl_scheduler import NixlSchedulerConnector
 
 log = logging.getLogger(__name__)
 
+_MAX_ABORTED_IDS = 10_000
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -72,6 +74,11 @@ class Scheduler:
                           if disagg is not None else None)
         self.agent_name = ""  # the worker's NIXL agent, named in the KVTransferParams we hand out
         self.loading: dict[str, Request] = {}  # waiting for their remote KV
+        # Loads that ended (or failed, to be recomputed): each owns blocks for its whole prompt,
+        # so it is admitted ahead of `waiting`, where a preempted request waiting for memory
+        # could otherwise block it while it holds the very blocks that request needs.
+        self.loaded: deque[Request] = deque()
+        self.num_expired_leases = 0
         self._held: dict[str, int] = {}  # prefill: blocks kept for a decode side -> last step
         self._skip_zero_block_ids: set[int] = set()
         self.blocks_skipped = 0
@@ -84,10 +91,18 @@ class Scheduler:
         self._finished_for_workers: list[str] = []
         self.blocks_zeroed = 0
         self.num_preemptions = 0
+        # Ids aborted before they arrived (a client cancelled while its add_request was in
+        # flight, and the abort overtook it): the late add_request is refused.
+        self._aborted: dict[str, None] = {}
+        self._outputs: list[RequestOutput] = []  # produced while scheduling; see take_outputs
+        # Per step in flight: where each scheduled request's chunk starts (to undo a failed one).
+        self._step_starts: dict[int, dict[str, int]] = {}
 
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        if req.req_id in self._aborted:
+            raise InvalidRequestError(f"request {req.req_id!r} was aborted before it arrived")
         if (req.req_id in self.requests or req.req_id in self.freed or req.req_id in self._held
                 or req.req_id in self.loading):
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
@@ -138,10 +153,19 @@ class Scheduler:
             self.connector.release(req_id)
             self.freed.release(req_id, self._held.pop(req_id))
         req = self.requests.get(req_id)
-        if req is None or req.finished:
+        if req is None:
+            if req_id not in self.loading and req_id not in self.freed:
+                self._aborted[req_id] = None
+                while len(self._aborted) > _MAX_ABORTED_IDS:
+                    del self._aborted[next(iter(self._aborted))]
             return None
         self._finish(req, "abort")
         return self._output(req)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Requests that ended outside a step's result (a load refused while scheduling)."""
+        outs, self._outputs = self._outputs, []
+        return outs
 
     @property
     def num_held(self) -> int:
@@ -149,7 +173,8 @@ class Scheduler:
         return len(self._held)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._needs_polling()
+        """Anything left to schedule or to wait for; an idle engine holds no block."""
+        return bool(self.waiting or self.loaded or self.running or self._needs_polling() or len(self.freed)
                     or (self.connector is not None and self.connector.has_pending_meta))
 
     # -- scheduling -------------------------------------------------------------------
@@ -174,51 +199,61 @@ class Scheduler:
                 continue
             while (new_ids := self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
                 victim = self._pick_victim(req, tokens)
-                freed_now = self._preempt(victim)
-                preempted = True
-                if victim is req or not freed_now:
-                    break  # fenced blocks come back when the step in flight reports
+                if not self._preempt(victim):
+                    # Its blocks come back when the step in flight reports; admitting queued
+                    # requests meanwhile would take what the running ones are waiting for.
+                    preempted = True
+                    break
+                if victim is req:
+                    break
             else:
                 cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
                 self._commit(req, n, step, tokens)
                 budget -= n
 
+        while self.loaded and budget > 0 and not preempted:
+            req = self.loaded[0]
+            n = self._admit(req, req.num_computed_tokens, 0, budget, step, new_reqs, cached, tokens)
+            if n == 0:
+                break
+            self.loaded.popleft()
+            budget -= n
+
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
+               and len(self.running) + len(self.loading) + len(self.loaded) < self.config.max_num_seqs):
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
-            if req.resumed or req.load_done:
-                hit, fresh_hit = req.num_computed_tokens, 0  # its blocks are already its own
+            if req.resumed:
+                hit = fresh_hit = 0  # recomputed from scratch; its old blocks are gone
             else:
                 hit = fresh_hit = self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
-            external = 0
-            if self.connector is not None and not req.load_done:
-                external, _ = self.connector.get_num_new_matched_tokens(req.kv_transfer_params, hit)
-                if external == 0 and req.kv_transfer_params is not None:
-                    self.connector.notify_abandoned(req.kv_transfer_params)  # the local hit covers it all
-                    req.load_done = True
-            if external > 0:
-                # Blocks for the whole prompt: once loaded, the request can always compute its
-                # last prompt token without waiting for memory held by others.
-                if self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit) is None:
-                    break
-                self._start_remote_load(req, hit, external, step)
-                continue
-            req.num_computed_tokens = hit
-            n = min(self._num_new_tokens(req), budget)
-            if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=fresh_hit) is None:
+            params = req.kv_transfer_params
+            if params is not None and not req.load_done:
+                assert self.connector is not None
+                external, _ = self.connector.get_num_new_matched_tokens(params, hit)
+                if external > 0 and self.connector.lease_ok(params):
+                    # Blocks for the whole prompt: once loaded, the request can always compute
+                    # its last prompt token without waiting for memory held by others.
+                    if self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit) is None:
+                        break
+                    self.waiting.popleft()
+                    self._start_remote_load(req, hit, external, step)
+                    continue
+                if external > 0:  # never start a READ that may race the lease's end
+                    self.num_expired_leases += 1
+                    if not self._load_failed(req, "its KV lease at the prefill engine expired before the load"):
+                        continue  # failed and dequeued
+            n = self._admit(req, hit, fresh_hit, budget, step, new_reqs, cached, tokens)
+            if n == 0:
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            blocks = [list(b) for b in self.kv.get_block_ids(req.req_id)]
-            if req.known_to_workers:
-                cached.append(CachedRequestData(req.req_id, hit, blocks, resumed=True))
-            else:
-                new_reqs.append(NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit))
-                req.known_to_workers = True
-            self._commit(req, n, step, tokens)
+            if params is not None and not req.load_done:
+                # Computed locally (a local prefix hit covers the grant, or the lease ran out):
+                # the prefill side's copy is not needed. Only now that the blocks are ours.
+                assert self.connector is not None
+                self.connector.notify_abandoned(params)
+                req.load_done = True
             budget -= n
 
         meta = self.connector.build_connector_meta() if self.connector is not None else None
@@ -226,7 +261,27 @@ class Scheduler:
             return None
         self._next_step += 1
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(), meta)
+        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(step), meta)
+
+    def _admit(self, req: Request, hit: int, fresh_hit: int, budget: int, step: int, new_reqs: list[NewRequestData],
+               cached: list[CachedRequestData], tokens: dict[str, int]) -> int:
+        """Start running a queued request from `hit` computed tokens (`fresh_hit` of them a
+        prefix-cache hit just found); the tokens scheduled, or 0 (nothing changed) if its blocks
+        do not fit."""
+        n = min(req.num_tokens_with_placeholders - hit, budget)
+        if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=fresh_hit) is None:
+            return 0
+        req.num_computed_tokens = hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        blocks = [list(b) for b in self.kv.get_block_ids(req.req_id)]
+        if req.known_to_workers:
+            cached.append(CachedRequestData(req.req_id, hit, blocks, resumed=True))
+        else:
+            new_reqs.append(NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit))
+            req.known_to_workers = True
+        self._commit(req, n, step, tokens)
+        return n
 
     def _needs_polling(self) -> bool:
         """Transfers in flight only report through a step's result, so keep stepping."""
@@ -235,7 +290,6 @@ class Scheduler:
     def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
         """The fix (DESIGN.md §1): the blocks this load fills stay out of the zero list."""
         assert self.connector is not None and req.kv_transfer_params is not None
-        self.waiting.popleft()
         req.num_computed_tokens = hit
         req.num_external_tokens = external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -254,6 +308,7 @@ class Scheduler:
 
     def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int]) -> None:
         tokens[req.req_id] = n
+        self._step_starts.setdefault(step, {})[req.req_id] = req.num_computed_tokens
         req.num_computed_tokens += n
         req.last_step = step
         req.resumed = False
@@ -281,16 +336,20 @@ class Scheduler:
         self.num_preemptions += 1
         return self.freed.release(req.req_id, req.last_step)
 
-    def _get_new_block_ids_to_zero(self) -> list[int] | None:
+    def _get_new_block_ids_to_zero(self, step: int) -> list[int] | None:
         """This step's new attention blocks minus those a remote load covers; the skip set
-        only ever edits the list being built, never one already shipped."""
-        ids = self.kv.take_new_block_ids()
+        only ever edits the list being built, never one already shipped. Zeroing a block uses
+        it: its owner's blocks are not freed before `step` reports."""
+        owners = self.kv.take_new_block_ids_with_owners()
         skip, self._skip_zero_block_ids = self._skip_zero_block_ids, set()
         if not self.kv.needs_zeroing:
             return None
-        kept = [b for b in ids if b not in skip]
+        kept = [b for b in owners if b not in skip]
+        for req_id in {owners[b] for b in kept}:
+            req = self.requests.get(req_id) or self.loading[req_id]
+            req.last_step = max(req.last_step, step)
         self.blocks_zeroed += len(kept)
-        self.blocks_skipped += len(ids) - len(kept)
+        self.blocks_skipped += len(owners) - len(kept)
         return kept or None
 
     # -- results ----------------------------------------------------------------------
@@ -315,6 +374,9 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(self._output(req))
+        starts = self._step_starts.pop(out.step_id, {})
+        for req_id, why in result.failed_reqs.items():
+            outputs.extend(self._worker_failed(out, starts, req_id, why))
         for req_id in result.finished_recving:
             outputs.extend(self._load_finished(req_id, None))
         for req_id, bad in result.failed_loads.items():
@@ -325,7 +387,7 @@ class Scheduler:
                 if req_id in self._held:
                     self.freed.release(req_id, self._held.pop(req_id))
         self.freed.reported(out.step_id)
-        return outputs
+        return self.take_outputs() + outputs
 
     def _hand_over(self, req: Request) -> RequestOutput:
         """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
@@ -337,6 +399,31 @@ class Scheduler:
         out = self._output(req)
         return dataclasses.replace(out, kv_transfer_params=params.to_dict())
 
+    def _worker_failed(self, out: SchedulerOutput, starts: dict[str, int], req_id: str,
+                       why: str) -> list[RequestOutput]:
+        """A request the worker could not run fails alone. The blocks it was to fill in that
+        step were published to the prefix cache when the step was scheduled: withdraw them,
+        and fail whoever already took them as a hit."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return []
+        results = []
+        n = out.num_scheduled_tokens.get(req_id, 0)
+        start = starts.get(req_id)
+        if n and start is not None:
+            for other in sorted(self.kv.uncache_blocks(req_id, start, start + n)):
+                results.extend(self._fail(other, f"a prefix it shared was lost with a failed request ({why})"))
+        return self._fail(req_id, why) + results
+
+    def _fail(self, req_id: str, why: str) -> list[RequestOutput]:
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return []
+        log.warning("request %s failed: %s", req_id, why)
+        req.error = why
+        self._finish(req, "error")
+        return [self._output(req)]
+
     def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> list[RequestOutput]:
         req = self.loading.pop(req_id, None)
         if req is None:
@@ -346,21 +433,39 @@ class Scheduler:
             return []
         req.load_done = True
         req.status = RequestStatus.WAITING
-        if bad_blocks is None:
+        assert req.kv_transfer_params is not None and self.connector is not None
+        why = None
+        if bad_blocks is not None:
+            why = f"KV transfer from the prefill engine failed for blocks {sorted(bad_blocks)}"
+        elif not self.connector.lease_ok(req.kv_transfer_params):
+            # The READ ended too close to the lease's end: the pages may have been reused.
+            self.num_expired_leases += 1
+            bad_blocks = self.kv.get_zeroing_block_ids_in_range(
+                req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens)
+            why = "its KV lease at the prefill engine expired during the load"
+        if why is None:
             req.num_computed_tokens += req.num_external_tokens
         else:
-            self.num_failed_loads += 1
-            assert self.disagg is not None
-            if self.disagg.load_failure_policy == "fail":
-                req.error = f"KV transfer from prefill engine failed for blocks {sorted(bad_blocks)}"
-                self._finish(req, "error")
-                return [self._output(req)]
-            valid = self._valid_prefix(req, set(bad_blocks))
+            if not self._load_failed(req, why):
+                return []
+            valid = self._valid_prefix(req, set(bad_blocks or ()))
             self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2: zeroed before recompute
-            req.zero_fence = self._next_step  # the step that will ship that zeroing
             req.num_computed_tokens = valid
-        self.waiting.appendleft(req)
+        self.loaded.append(req)
         return []
+
+    def _load_failed(self, req: Request, why: str) -> bool:
+        """Apply the load-failure policy: True to recompute, False if the request failed."""
+        self.num_failed_loads += 1
+        assert self.disagg is not None
+        req.load_done = True
+        if self.disagg.load_failure_policy == "recompute":
+            log.info("request %s recomputes its prompt: %s", req.req_id, why)
+            return True
+        req.error = why
+        self._finish(req, "error")
+        self._outputs.append(self._output(req))
+        return False
 
     def _valid_prefix(self, req: Request, bad: set[int]) -> int:
         """Tokens still good after a partial load failure: up to the first invalid attention
@@ -384,15 +489,20 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req in self.loaded:
+            self.loaded.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-            if self.connector is not None and req.kv_transfer_params is not None and not req.load_done:
-                self.connector.notify_abandoned(req.kv_transfer_params)  # never read: free it now
+        if (self.connector is not None and req.kv_transfer_params is not None and not req.load_done
+                and req.req_id not in self.loading):  # a READ in flight notifies when it ends
+            self.connector.notify_abandoned(req.kv_transfer_params)  # never read: free it now
+            req.load_done = True
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.kv.forget_blocks_to_zero(req.req_id)
         # A load in flight may still write the blocks: they are freed when it ends.
         if not keep_blocks and req.req_id not in self.loading:
-            self.freed.release(req.req_id, max(req.last_step, req.zero_fence))
+            self.freed.release(req.req_id, req.last_step)
         del self.requests[req.req_id]
         if req.known_to_workers:
             self._finished_for_workers.append(req.req_id)

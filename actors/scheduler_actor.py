@@ -53,6 +53,10 @@ class SchedulerActor:
     async def get_outputs(self, timeout: float) -> list[RequestOutput]:
         return await self.core.get_outputs(timeout)
 
+    async def inject_worker_faults(self, num_steps: int) -> None:
+        """Tests only (over Ray, never HTTP): the workers' next `num_steps` forwards fail."""
+        await asyncio.gather(*(w.inject_faults.remote(num_steps) for w in self.workers))
+
     async def stats(self) -> EngineStats:
         return self.core.stats()
 

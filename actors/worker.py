@@ -1,7 +1,11 @@
 """A worker: the model, its cache memory and the token history of every running request.
 
 Each `SchedulerOutput` becomes one job on the worker's compute stream: apply the request
-updates, zero the step's new attention pages, run the forward, sample. Keeping all of it
+updates, zero the step's new attention pages, run the forward, sample.
+
+Fault isolation: a request the worker cannot run (an update that contradicts what it knows,
+a load it cannot post, a sampling failure) is dropped and reported in `failed_reqs`; if the
+forward itself fails, every request of that step fails, and only those. The engine goes on. Keeping all of it
 in one job keeps the order DESIGN.md §1 depends on: a step's zeroing runs after the
 previous step's forward and before its own. The worker's token lists are the truth for
 what a step computes: under async scheduling a decode step names a token the previous
@@ -11,6 +15,7 @@ step is still sampling, which only the worker knows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -29,6 +34,8 @@ from kv.nixl_worker import NixlWorkerConnector
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_model
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +93,12 @@ class Worker:
         self.connector = (None if kv_role == "colocated" else NixlWorkerConnector(
             engine_id, self.buffers, self._layout.page_bytes, self._layout.num_blocks,
             fail_fraction=kv_fail_fraction, fail_seed=seed))
+        self._faults_to_inject = 0
+
+    def inject_faults(self, num_steps: int) -> None:
+        """Tests only (reached through Ray, never over HTTP): the next `num_steps` forwards
+        raise, as a device fault would."""
+        self._faults_to_inject = num_steps
 
     @property
     def layout(self) -> CacheLayout:
@@ -132,12 +145,24 @@ class Worker:
 
     @torch.inference_mode()
     def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply(out)
+        failed = self._apply(out)
         zeroed = self._zero(out.new_block_ids_to_zero or [])
-        sampled, logprobs = self._forward(out.num_scheduled_tokens) if out.num_scheduled_tokens else ({}, {})
-        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed)
+        scheduled = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        if scheduled:
+            try:
+                if self._faults_to_inject > 0:
+                    self._faults_to_inject -= 1
+                    raise RuntimeError("injected worker fault")
+                sampled, logprobs = self._forward(scheduled, failed)
+            except Exception as e:  # the step's requests fail; the engine and its other requests go on
+                log.exception("worker step %d failed", out.step_id)
+                for req_id in scheduled:
+                    self._drop(failed, req_id, f"the worker failed step {out.step_id}: {e!r}")
+        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed, failed_reqs=failed)
 
-    def _forward(self, scheduled: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
+    def _forward(self, scheduled: dict[str, int], failed: dict[str, str]) -> tuple[dict[str, int], dict[str, float]]:
         """Run the scheduled chunks, then sample for each request whose chunk reached its last
         known token; an intermediate prefill chunk has no next token to sample."""
         ids = list(scheduled)
@@ -150,30 +175,60 @@ class Worker:
             state.num_computed += len(chunk.token_ids)
             if state.num_computed == len(state.tokens):
                 rows.append(r)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        for r, token, logprob in self._sample(logits, [ids[r] for r in rows], rows, failed):
+            self.requests[ids[r]].tokens.append(token)
+            sampled[ids[r]] = token
+            if logprob is not None:
+                logprobs[ids[r]] = logprob
+        return sampled, logprobs
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], rows: list[int],
+                failed: dict[str, str]) -> list[tuple[int, int, float | None]]:
+        """(row, token, logprob) per sampled row. If the batch cannot be sampled, each row is
+        sampled alone so that one bad request fails without the others."""
         if not rows:
-            return {}, {}
-        states = [self.requests[ids[r]] for r in rows]
+            return []
+        try:
+            return self._sample_rows(logits, req_ids, rows)
+        except Exception:
+            log.exception("batched sampling failed; sampling row by row")
+        results = []
+        for req_id, r in zip(req_ids, rows):
+            try:
+                results += self._sample_rows(logits, [req_id], [r])
+            except Exception as e:
+                self._drop(failed, req_id, f"sampling failed: {e!r}")
+        return results
+
+    def _sample_rows(self, logits: torch.Tensor, req_ids: list[str],
+                     rows: list[int]) -> list[tuple[int, int, float | None]]:
+        states = [self.requests[r] for r in req_ids]
         want = [s.sampling.logprobs for s in states]
         result = self.sampler.sample(logits[rows], [s.sampling for s in states], [s.generator for s in states],
                                      want_logprobs=any(want))
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
-        for i, (r, state) in enumerate(zip(rows, states)):
-            state.tokens.append(result.token_ids[i])
-            sampled[ids[r]] = result.token_ids[i]
-            if want[i] and result.logprobs is not None:
-                logprobs[ids[r]] = result.logprobs[i]
-        return sampled, logprobs
+        return [(r, result.token_ids[i], result.logprobs[i] if want[i] and result.logprobs is not None else None)
+                for i, r in enumerate(rows)]
 
-    def _apply(self, out: SchedulerOutput) -> None:
-        """Check the request updates against what the worker knows, then apply them; a bad
-        message raises before anything changes."""
-        self._check(out)
+    def _drop(self, failed: dict[str, str], req_id: str, why: str) -> None:
+        failed[req_id] = why
+        self.requests.pop(req_id, None)
+
+    def _apply(self, out: SchedulerOutput) -> dict[str, str]:
+        """Check the request updates against what the worker knows, then apply the good ones.
+        Returns the requests that cannot run, with why; they are forgotten here."""
+        failed = self._check(out)
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)  # a request may finish before it ever reached a worker
+        for req_id, why in failed.items():
+            self._drop(failed, req_id, why)
         for new in out.new_reqs:
-            self.requests[new.req_id] = self._new_state(new)
+            if new.req_id not in failed:
+                self.requests[new.req_id] = self._new_state(new)
         for cached in out.cached_reqs:
+            if cached.req_id in failed:
+                continue
             state = self.requests[cached.req_id]
             state.num_computed = cached.num_computed_tokens
             if cached.resumed:
@@ -181,46 +236,59 @@ class Worker:
             else:
                 for ids, more in zip(state.block_ids, cached.new_block_ids):
                     ids.extend(more)
+        return failed
 
-    def _check(self, out: SchedulerOutput) -> None:
-        """A cached request not listed in `cached_reqs` continues from the worker's own count."""
+    def _check(self, out: SchedulerOutput) -> dict[str, str]:
+        """The requests of this step that contradict what the worker knows, with why (a cached
+        request not listed in `cached_reqs` continues from the worker's own count). A bad zero
+        list is no single request's fault: it raises."""
         step = f"step {out.step_id}"
+        bad_zero = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self._layout.num_blocks]
+        if bad_zero:
+            raise ValueError(f"{step}: blocks to zero {bad_zero} outside [0, {self._layout.num_blocks})")
+        failed: dict[str, str] = {}
         # (tokens known, tokens computed) of every request this step may name, after its updates
         span = {req_id: (len(s.tokens), s.num_computed) for req_id, s in self.requests.items()
                 if req_id not in out.finished_req_ids}
         for new in out.new_reqs:
             if new.req_id in span:
-                raise ValueError(f"{step}: new request {new.req_id!r} is already running")
-            self._check_blocks(step, new.req_id, new.block_ids)
+                failed[new.req_id] = f"{step}: new request {new.req_id!r} is already running"
+                continue
+            if why := self._check_blocks(step, new.req_id, new.block_ids):
+                failed[new.req_id] = why
             span[new.req_id] = (len(new.prompt_token_ids), new.num_computed_tokens)
         for cached in out.cached_reqs:
             if cached.req_id not in span:
-                raise ValueError(f"{step}: cached request {cached.req_id!r} is unknown to the worker "
-                                 "(never sent as new, or already finished)")
-            self._check_blocks(step, cached.req_id, cached.new_block_ids)
+                failed[cached.req_id] = (f"{step}: cached request {cached.req_id!r} is unknown to the worker "
+                                         "(never sent as new, or already failed)")
+                continue
+            if why := self._check_blocks(step, cached.req_id, cached.new_block_ids):
+                failed[cached.req_id] = why
             span[cached.req_id] = (span[cached.req_id][0], cached.num_computed_tokens)
         for req_id, n in out.num_scheduled_tokens.items():
+            if req_id in failed:
+                continue
             if req_id not in span:
-                raise ValueError(f"{step}: scheduled request {req_id!r} is unknown to the worker")
+                failed[req_id] = f"{step}: scheduled request {req_id!r} is unknown to the worker"
+                continue
             known, computed = span[req_id]
             if n < 1 or computed < 0 or computed + n > known:
-                raise ValueError(f"{step}: request {req_id!r} is scheduled tokens [{computed}, {computed + n}) but "
-                                 f"the worker knows {known} (was the previous step's token sampled elsewhere?)")
-        bad = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self._layout.num_blocks]
-        if bad:
-            raise ValueError(f"{step}: blocks to zero {bad} outside [0, {self._layout.num_blocks})")
+                failed[req_id] = (f"{step}: request {req_id!r} is scheduled tokens [{computed}, {computed + n}) but "
+                                  f"the worker knows {known} (was the previous step's token sampled elsewhere?)")
+        return failed
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         return RequestState(list(new.prompt_token_ids), [list(ids) for ids in new.block_ids], new.sampling,
                             self.sampler.generator_for(new.sampling), new.num_computed_tokens)
 
-    def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> None:
+    def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:
         if len(block_ids) != len(self._layout.groups):
-            raise ValueError(f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups, "
-                             f"the model has {len(self._layout.groups)}")
+            return (f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups, "
+                    f"the model has {len(self._layout.groups)}")
         bad = [b for ids in block_ids for b in ids if not 0 <= b < self._layout.num_blocks]
         if bad:
-            raise ValueError(f"{step}: request {req_id!r} names blocks {bad} outside [0, {self._layout.num_blocks})")
+            return f"{step}: request {req_id!r} names blocks {bad} outside [0, {self._layout.num_blocks})"
+        return None
 
     def _zero(self, block_ids: list[int]) -> int:
         if block_ids:

@@ -75,6 +75,9 @@ class WorkerActor:
             raise RuntimeError("a colocated worker has no NIXL agent")
         self._worker.connector.add_peer(info)
 
+    def inject_faults(self, num_steps: int) -> None:
+        self._worker.inject_faults(num_steps)
+
     def shutdown(self) -> None:
         self._worker.close()
 

@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -195,14 +195,20 @@ def _auth(key: str) -> Any:
     return Depends(check)
 
 
-def create_app(cfg: Config, router: Router, model: TextModel | None = None) -> FastAPI:
+def create_app(cfg: Config, router: Router, model: TextModel | None = None,
+               background: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """The app for `cfg`'s model, serving through `router` (closed when the app shuts down);
-    `model` defaults to loading cfg.model's tokenizer and templates."""
+    `model` defaults to loading cfg.model's tokenizer and templates; `background` runs while
+    the app does (the engine supervisor)."""
     server = _Server(cfg, router, model or TextModel.load(cfg.model, cfg.max_model_len))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(background()) if background is not None else None
         yield
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await router.close()
 
     app = FastAPI(title="raypd", lifespan=lifespan)

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException
 
 from actors.messages import EngineOverloadedError, InvalidRequestError
@@ -65,6 +66,9 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, TemplateError):
         return APIError(400, str(exc), param="messages")
+    if isinstance(exc, RayActorError):  # an engine died; its supervisor is bringing it back
+        return APIError(503, "An engine is restarting; retry shortly.", type="service_unavailable_error",
+                        code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, f"The server is overloaded: {exc}", type="service_unavailable_error",
                         code="engine_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})

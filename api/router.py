@@ -6,32 +6,41 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from contextlib import aclosing
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from actors.client import EngineCalls, EngineClient
+from actors.client import ActorSlot, EngineCalls, EngineClient
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class Engine:
     """One engine as the ingress sees it: a name (the `engine` label of its metrics), a client
-    for its requests, and its stats."""
+    for its requests, and its stats. A remote engine's actor can be replaced (`rebind`)."""
 
     name: str
     client: EngineClient
     stats: Callable[[], Awaitable[EngineStats]]
+    slot: ActorSlot | None = None
 
     @classmethod
     def remote(cls, name: str, handle: Any) -> Engine:
         """A `SchedulerActor` reached over Ray."""
+        slot = ActorSlot(handle)
 
         async def stats() -> EngineStats:
-            return await handle.stats.remote()
+            return await slot.handle.stats.remote()
 
-        return cls(name, EngineClient(EngineCalls.remote(handle)), stats)
+        return cls(name, EngineClient(EngineCalls.remote(slot)), stats, slot)
+
+    def rebind(self, handle: Any) -> None:
+        """Send every later call to a re-created actor."""
+        if self.slot is None:
+            raise TypeError(f"engine {self.name} is in-process: it has no actor to replace")
+        self.slot.handle = handle
 
     @classmethod
     def local(cls, name: str, core: Any) -> Engine:
@@ -102,16 +111,11 @@ class PDRouter(Router):
         if handed_over is None or handed_over.kv_transfer_params is None:
             yield handed_over or RequestOutput(req_id, [], None, "error", error="prefill engine gave no answer")
             return
+        # From here the decode engine owns the prefill engine's blocks: it READs them, or tells
+        # the prefill side it never will (an abort, a refusal, a local hit), or the lease ends.
+        # Freeing them from here could race a READ the decode engine has already posted.
         decode = next(self._decode).client
-        stream = decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
-        try:
-            first = await anext(stream)
-        except BaseException:
-            # The client left before the decode engine took the request: nobody will read
-            # the prefill engine's blocks, so free them now rather than at lease expiry.
-            await asyncio.shield(prefill.abort(req_id))
-            await stream.aclose()
-            raise
-        yield first
-        async for out in stream:
-            yield out
+        async with aclosing(decode.generate(prompt_ids, sampling, req_id,
+                                            kv_transfer_params=handed_over.kv_transfer_params)) as stream:
+            async for out in stream:
+                yield out

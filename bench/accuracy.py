@@ -33,7 +33,7 @@ from actors.messages import SamplingParams
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from models.generate import greedy_generate
 from models.loader import load_config, load_generation_config, load_model
-from serve import launch
+from serve.engines import NAMESPACE, start_engines
 from serve.config import Config
 from serve.config import parse_args as parse_serve_args
 
@@ -69,11 +69,11 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
     elif args.mode == "colocated":
         cfg = dataclasses.replace(cfg, prefill=0)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    ray.init(address="local", namespace=launch.NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
+    ray.init(address="local", namespace=NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
              include_dashboard=False, log_to_driver=False, logging_level=cfg.log_level)
     engines: dict[str, object] = {}
     try:
-        names = launch.start_engines(cfg, engines)
+        names = start_engines(cfg, engines)
 
         def of(role: str) -> list[Engine]:
             return [Engine.remote(n, engines[n]) for n in names[role]]

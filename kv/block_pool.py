@@ -108,6 +108,11 @@ class BlockPool:
         self._cached.clear()
         return True
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Make blocks unfindable again (their content turned out wrong); they stay allocated."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

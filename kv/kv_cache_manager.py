@@ -209,9 +209,30 @@ class KVCacheManager:
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the attention blocks allocated since the last take, in allocation order."""
-        ids = list(self._pending_zero)
-        self._pending_zero.clear()
-        return ids
+        return list(self.take_new_block_ids_with_owners())
+
+    def take_new_block_ids_with_owners(self) -> dict[int, str]:
+        """`take_new_block_ids` with each block's owning request: the step that zeroes a
+        block uses it, so its owner's blocks must not be freed before that step reports."""
+        taken, self._pending_zero = self._pending_zero, {}
+        return taken
+
+    def forget_blocks_to_zero(self, req_id: str) -> None:
+        """Drop the request's blocks not yet taken for zeroing: it will not compute into them
+        (it finished), and a block handed to an attention group again is recorded again."""
+        for block_id in [b for b, owner in self._pending_zero.items() if owner == req_id]:
+            del self._pending_zero[block_id]
+
+    def uncache_blocks(self, req_id: str, start_token: int, end_token: int) -> set[str]:
+        """Withdraw from the prefix cache the request's blocks covering tokens
+        [start_token, end_token), whose KV a failed step never wrote, and name the other
+        requests that already share any of them (through a prefix hit): their KV is wrong too."""
+        lo, hi = start_token // self.block_size, -(-end_token // self.block_size)
+        blocks = [b for m in self._attention for b in m.req_to_blocks.get(req_id, [])[lo:hi]]
+        self.pool.uncache(blocks)
+        ids = {b.block_id for b in blocks if b.ref_cnt > 1}
+        return {r for m in self._attention for r, bs in m.req_to_blocks.items()
+                if r != req_id and any(b.block_id in ids for b in bs)}
 
     def get_zeroing_block_ids_in_range(
         self, req_id: str, start_token: int, end_token: int

@@ -6,6 +6,11 @@ blocks each load fills, and ships the loads to the workers in the step's metadat
 Prefill side: when a request's prompt is computed it describes where the KV lives
 (`KVTransferParams`) and keeps the blocks until the decode side has read them (its NIXL
 notification) or a lease expires, whichever comes first.
+
+Leases are in wall-clock seconds (`time.time`), because the deadline travels to the decode
+side in `KVTransferParams.expires_at` and is compared there with that engine's clock. The
+decode side keeps `LEASE_MARGIN_S` in hand for clock skew between hosts and for the time
+between a READ completing and the scheduler learning of it.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kv.transfer_params import KVTransferParams
 from models.batch import CacheGroup
+
+LEASE_MARGIN_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,22 +43,16 @@ class ConnectorMetadata:
     notify: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(slots=True)
-class _Lease:
-    deadline: float
-    params: KVTransferParams = field(repr=False)
-
-
 class NixlSchedulerConnector:
     def __init__(self, groups: Sequence[CacheGroup], block_size: int, lease_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.groups = tuple(groups)
         self.block_size = block_size
         self.lease_s = lease_s
         self.clock = clock
         self._loads: list[LoadSpec] = []
         self._notify: list[tuple[str, str]] = []
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, float] = {}  # prefill request id -> deadline
 
     # -- decode side ------------------------------------------------------------------
 
@@ -61,6 +62,12 @@ class NixlSchedulerConnector:
         if params is None:
             return 0, False
         return max(0, params.num_tokens - num_local_computed), True
+
+    def lease_ok(self, params: KVTransferParams) -> bool:
+        """Whether the prefill side still holds the pages, with a margin. Asked before a READ
+        starts (one that cannot finish in time is never posted) and again when it has ended:
+        a READ that ends near or after the deadline may have copied pages already reused."""
+        return self.clock() < params.expires_at - LEASE_MARGIN_S
 
     def update_state_after_alloc(self, req_id: str, params: KVTransferParams, block_ids: Sequence[Sequence[int]],
                                  num_local_computed: int, num_external: int) -> None:
@@ -98,8 +105,10 @@ class NixlSchedulerConnector:
     def request_finished(self, req_id: str, engine_id: str, agent_name: str, block_ids: Sequence[Sequence[int]],
                          num_tokens: int) -> KVTransferParams:
         """Describe the computed prompt for the decode side and start the blocks' lease."""
-        params = KVTransferParams(engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id)
-        self._leases[req_id] = _Lease(self.clock() + self.lease_s, params)
+        deadline = self.clock() + self.lease_s
+        params = KVTransferParams(engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id,
+                                  deadline)
+        self._leases[req_id] = deadline
         return params
 
     def release(self, req_id: str) -> bool:
@@ -108,7 +117,7 @@ class NixlSchedulerConnector:
 
     def expired(self) -> list[str]:
         now = self.clock()
-        gone = [r for r, lease in self._leases.items() if lease.deadline <= now]
+        gone = [r for r, deadline in self._leases.items() if deadline <= now]
         for r in gone:
             del self._leases[r]
         return gone

@@ -188,16 +188,25 @@ class NixlWorkerConnector:
         """READ the request's remote blocks into `local_block_ids`, group by group, every
         buffer; poll `get_finished` for the outcome. A group whose remote list is shorter
         loads only that many blocks (the caller chose the blocks that cover the granted
-        tokens). Raises ValueError on a bad request; NIXL failures are reported, not raised."""
+        tokens). A load that cannot be posted (an unknown peer, block ids out of range) is
+        reported as failed like one NIXL failed: one request's bad parameters must not fail
+        the step of every other. Raises only for a load already in flight under that id."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the connector is closed")
-            peer = self._peers.get(params.remote_agent_name)
-            if peer is None:
-                raise ValueError(f"unknown peer {params.remote_agent_name!r}: add_peer first")
             if req_id in self._loads:
                 raise ValueError(f"a load for {req_id!r} is already in flight")
-            pairs = self._pair(local_block_ids, params.remote_block_ids, peer.info.num_blocks)
+            peer = self._peers.get(params.remote_agent_name)
+            try:
+                if peer is None:
+                    raise ValueError(f"unknown peer {params.remote_agent_name!r}")
+                pairs = self._pair(local_block_ids, params.remote_block_ids, peer.info.num_blocks)
+            except ValueError as e:
+                log.warning("KV load of %s refused: %s", req_id, e)
+                self._pending.failed[req_id] = [int(b) for group in local_block_ids for b in group]
+                if peer is not None:
+                    self._notify(peer.info.agent_name, params.request_id)
+                return
             kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
             load = _Load(peer.info.agent_name, params.request_id,
                          block_ids=[mine for group in pairs for mine, _ in group],

@@ -4,6 +4,10 @@ The prefill engine answers a request with these parameters; they travel through 
 ingress as JSON (HTTP body, Ray call) to the decode engine, whose connector READs the
 pages. Because the dict may come from an untrusted client, `from_dict` checks every field
 and its type and refuses unknown keys; nothing is unpickled.
+
+The prefill engine keeps the pages only under a lease; `expires_at` (wall-clock seconds, the
+prefill side's clock) travels with them so the decode side never trusts a READ that may have
+raced the lease's free: see `NixlSchedulerConnector.lease_ok`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class KVTransferParams:
     remote_block_ids: tuple[tuple[int, ...], ...]  # one tuple per cache group, prefill-side ids
     num_tokens: int  # tokens whose KV / state the transfer supplies
     request_id: str  # the prefill side's id: the notification names it so its blocks are freed
+    expires_at: float = float("inf")  # when the prefill side frees the pages unread (time.time())
 
     def __post_init__(self) -> None:
         for name in ("remote_engine_id", "remote_agent_name", "request_id"):
@@ -32,6 +37,8 @@ class KVTransferParams:
             isinstance(group, tuple) and all(_is_int(b) and b >= 0 for b in group) for group in self.remote_block_ids
         ):
             raise ValueError(f"remote_block_ids must be tuples of non-negative ints, got {self.remote_block_ids!r}")
+        if not isinstance(self.expires_at, int | float) or isinstance(self.expires_at, bool) or self.expires_at != self.expires_at:
+            raise ValueError(f"expires_at must be a number of seconds, got {self.expires_at!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (lists, not tuples)."""
@@ -41,6 +48,7 @@ class KVTransferParams:
             "remote_block_ids": [list(group) for group in self.remote_block_ids],
             "num_tokens": self.num_tokens,
             "request_id": self.request_id,
+            "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -50,7 +58,7 @@ class KVTransferParams:
             # ValueError like every other bad field: callers answer it with HTTP 400.
             raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")  # noqa: TRY004
         expected = {f.name for f in fields(cls)}
-        if missing := expected - data.keys():
+        if missing := expected - data.keys() - {"expires_at"}:
             raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")
         if unknown := data.keys() - expected:
             raise ValueError(f"kv_transfer_params has unknown fields {sorted(map(str, unknown))}")
@@ -63,6 +71,7 @@ class KVTransferParams:
             remote_block_ids=tuple(tuple(g) for g in groups),
             num_tokens=data["num_tokens"],
             request_id=data["request_id"],
+            expires_at=data.get("expires_at", float("inf")),
         )
 
 

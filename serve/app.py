@@ -16,6 +16,7 @@ from ray.serve.deployment import Application
 
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from serve.config import Config
+from serve.engines import EngineSupervisor
 
 DEPLOYMENT_NAME = "raypd-api"
 
@@ -23,13 +24,16 @@ DEPLOYMENT_NAME = "raypd-api"
 class Ingress:
     def __init__(self, config: dict[str, Any], engine_names: dict[str, list[str]], namespace: str) -> None:
         cfg = Config.from_dict(config)
+        handles = {name: ray.get_actor(name, namespace=namespace) for names in engine_names.values() for name in names}
+        by_name = {name: Engine.remote(name, handle) for name, handle in handles.items()}
 
         def engines(role: str) -> list[Engine]:
-            return [Engine.remote(name, ray.get_actor(name, namespace=namespace)) for name in engine_names[role]]
+            return [by_name[name] for name in engine_names[role]]
 
         router: Router = (PDRouter(engines("prefill"), engines("decode")) if engine_names["prefill"]
                           else RoundRobinRouter(engines("decode")))
-        self._app = create_app(cfg, router)
+        supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
+        self._app = create_app(cfg, router, background=supervisor.run)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

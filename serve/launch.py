@@ -6,7 +6,6 @@ created: an existing cluster (`--address`) keeps running, and so do other Serve 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,11 +13,10 @@ from typing import Any
 import ray
 from ray import serve
 
-from actors.scheduler_actor import RemoteScheduler
 from serve.app import build_app
 from serve.config import Config
+from serve.engines import NAMESPACE, start_engines, stop_engines
 
-NAMESPACE = "raypd"
 APP_NAME = "raypd"
 ENGINE_SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -34,14 +32,6 @@ class Deployment:
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
-
-
-def engine_names(cfg: Config) -> dict[str, list[str]]:
-    """Actor names by role; colocated engines stand in the "decode" list."""
-    if cfg.colocated:
-        return {"prefill": [], "decode": [f"raypd-engine-{i}" for i in range(cfg.decode)]}
-    return {"prefill": [f"raypd-prefill-{i}" for i in range(cfg.prefill)],
-            "decode": [f"raypd-decode-{i}" for i in range(cfg.decode)]}
 
 
 def start(cfg: Config, **ray_init: Any) -> Deployment:
@@ -69,22 +59,6 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     return dep
 
 
-def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
-    """Create the named engine actors into `engines` (so a caller can clean up after a failure
-    part-way), wait until they are ready, and give every decode engine every prefill worker's
-    NIXL agent (metadata through Ray). Returns the names by role."""
-    names = engine_names(cfg)
-    for role, role_names in names.items():
-        for name in role_names:
-            kind = role if not cfg.colocated else "colocated"
-            engines[name] = RemoteScheduler.options(name=name, namespace=NAMESPACE).remote(cfg.to_dict(), kind, name)
-    ray.get([h.ready.remote() for h in engines.values()])
-    if names["prefill"]:
-        peers = [p for ps in ray.get([engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
-        ray.get([engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
-    return names
-
-
 def _join(cfg: Config) -> None:
     try:
         ray.init(address=cfg.address, namespace=NAMESPACE, logging_level=cfg.log_level)
@@ -105,11 +79,7 @@ def stop(dep: Deployment) -> None:
             else:
                 serve.delete(APP_NAME)
     finally:
-        for handle in dep.engines.values():
-            with contextlib.suppress(Exception):  # an engine that is already gone needs no shutdown
-                ray.get(handle.shutdown.remote(), timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
-            with contextlib.suppress(Exception):
-                ray.kill(handle)
+        stop_engines(list(dep.engines), ENGINE_SHUTDOWN_TIMEOUT_S)  # by name: replacements too
         dep.engines.clear()
         if dep.connected:
             ray.shutdown()

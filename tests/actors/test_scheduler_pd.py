@@ -221,13 +221,28 @@ def test_loads_count_against_max_num_seqs():
     assert len(s.schedule().kv_connector_meta.loads) == 3
 
 
-def test_zeroing_after_a_failed_load_is_fenced_against_reuse():
+def test_abort_before_the_zeroing_ships_frees_at_once_and_zeroes_nothing():
     s = decode_scheduler()
     add(s, "r", list(range(14)), remote("r", 13))
     out = s.schedule()
     s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, failed_loads={"r": attention_ids(s, "r")}))
-    s.abort("r")  # before the step carrying its zeroing has run
-    assert s.kv.num_free_blocks < s.kv.num_blocks
+    s.abort("r")  # the zeroing recorded for the recompute was never shipped
+    assert s.kv.num_free_blocks == s.kv.num_blocks and not s.has_work()
+    assert s.schedule() is None
+
+
+def test_a_step_that_zeroes_a_requests_blocks_fences_their_free():
+    s = decode_scheduler()
+    add(s, "r", list(range(14)), remote("r", 13))
+    out = s.schedule()
+    ids = attention_ids(s, "r")
+    s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, failed_loads={"r": ids}))
+    zeroing = s.schedule()  # ships the zeroing (and the recompute)
+    assert set(ids) <= set(zeroing.new_block_ids_to_zero)
+    s.abort("r")
+    assert s.kv.num_free_blocks < s.kv.num_blocks  # that step may still be zeroing them
+    s.update_from_output(zeroing, ModelRunnerOutput(zeroing.step_id, {}))
+    assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
 @pytest.mark.parametrize("params, why", [

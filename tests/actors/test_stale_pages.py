@@ -39,7 +39,7 @@ def _reference(path: str, reqs) -> list[list[int]]:
 @pytest.mark.parametrize("zeroing", [True, False])
 def test_stale_mamba_page_reused_as_attention(hybrid, monkeypatch, zeroing):
     if not zeroing:
-        def no_zeroing(self: Scheduler) -> None:
+        def no_zeroing(self: Scheduler, step: int) -> None:
             self.kv.take_new_block_ids()
             return None
 

@@ -205,27 +205,56 @@ def test_finished_requests_are_forgotten(checkpoint):
     assert idle == ModelRunnerOutput(idle.step_id, {}, {}, 2)
     assert set(worker.requests) == {"b"}
     no_blocks = [[] for _ in worker.layout.groups]
-    with pytest.raises(ValueError, match="'a' is unknown"):
-        worker.execute_model_sync(SchedulerOutput(drv.step_id, [], [CachedRequestData("a", 7, no_blocks)],
-                                                  {"a": 1}, [], None))
+    late = worker.execute_model_sync(SchedulerOutput(drv.step_id, [], [CachedRequestData("a", 7, no_blocks)],
+                                                     {"a": 1}, [], None))
+    assert "'a' is unknown" in late.failed_reqs["a"] and not late.sampled
     worker.close()
 
 
-def test_bad_messages_are_rejected_without_changing_state(checkpoint):
+def test_a_bad_request_fails_alone_and_the_rest_of_the_step_runs(checkpoint):
     worker = make_worker(checkpoint)
     drv = Driver(worker)
     drv.add("b", PROMPTS["b"])
-    drv.step({"b": 3})
-    before = (list(worker.requests["b"].tokens), worker.requests["b"].num_computed)
-    bad = drv.build({"b": 2})  # the worker knows only one token past the 3 computed
-    with pytest.raises(ValueError, match=r"tokens \[3, 5\) but the worker knows 4"):
-        worker.execute_model_sync(bad)
-    assert (worker.requests["b"].tokens, worker.requests["b"].num_computed) == before
+    drv.add("c", PROMPTS["c"])
+    drv.step({"b": 3, "c": 13})
+    want = reference(worker, [PROMPTS["c"]], 3)[0]
+    bad = drv.build({"b": 2, "c": 1})  # the worker knows only one token past b's 3 computed
+    result = drv.record(worker.execute_model_sync(bad))
+    assert "tokens [3, 5) but the worker knows 4" in result.failed_reqs["b"]
+    assert "b" not in worker.requests and "b" not in result.sampled
+    drv.reqs.pop("b")
+    drv.decode(["c"], 1)
+    assert drv.reqs["c"].outputs == want
     with pytest.raises(ValueError, match="must be in order"):
         worker.execute_model(SchedulerOutput(0, [], [], {}, [], None))
-    with pytest.raises(ValueError, match="already running"):
-        worker.execute_model_sync(SchedulerOutput(drv.step_id, [NewRequestData("b", [1], GREEDY, [[0] for _ in drv.groups], 0)],
-                                                  [], {}, [], None))
+    twice = worker.execute_model_sync(SchedulerOutput(
+        drv.step_id, [NewRequestData("c", [1], GREEDY, [[0] for _ in drv.groups], 0)], [], {}, [], None))
+    assert "already running" in twice.failed_reqs["c"]
+    worker.close()
+
+
+def test_a_failed_forward_fails_that_steps_requests_only(checkpoint):
+    worker = make_worker(checkpoint)
+    drv = Driver(worker)
+    drv.add("a", PROMPTS["a"])
+    drv.step({"a": 7})
+    worker.inject_faults(1)
+    drv.add("b", PROMPTS["b"])
+    failed = worker.execute_model_sync(drv.build({"b": 3}))
+    assert set(failed.failed_reqs) == {"b"} and "injected" in failed.failed_reqs["b"]
+    drv.reqs.pop("b")
+    drv.decode(["a"], 2)  # "a" was not in the failed step: it goes on undisturbed
+    assert drv.reqs["a"].outputs == reference(worker, [PROMPTS["a"]], 3)[0]
+    worker.close()
+
+
+def test_top_k_beyond_the_vocabulary_is_off(checkpoint):
+    worker = make_worker(checkpoint)
+    drv = Driver(worker)
+    drv.add("k", PROMPTS["a"], SamplingParams(temperature=1e-4, top_k=2**31 - 1, seed=3))
+    drv.step({"k": 7})
+    drv.decode(["k"], 2)
+    assert drv.reqs["k"].outputs == reference(worker, [PROMPTS["a"]], 3)[0]
     worker.close()
 
 

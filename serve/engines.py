@@ -1,0 +1,155 @@
+"""The engine actors of a deployment: created by name, wired to their NIXL peers, and replaced
+when one dies or its step loop fails.
+
+Engines are detached named actors, so whoever watches them (the API ingress) can re-create one
+under the same name, and they do not die with the process that happened to create them. A
+replacement is a fresh scheduler, worker, cache and NIXL agent: a decode engine gets every
+prefill worker's agent again, a prefill engine's new agent goes to every decode engine. The
+requests that were in flight on the dead engine end with an error where they are streamed
+(`EngineClient`); nothing is retried here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.build import Role
+from actors.scheduler_actor import RemoteScheduler
+from serve.config import Config
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "raypd"
+_NAME_FREE_TIMEOUT_S = 20.0
+
+
+def engine_roles(cfg: Config) -> dict[str, Role]:
+    """Actor name -> role, prefill engines first."""
+    if cfg.colocated:
+        return {f"raypd-engine-{i}": "colocated" for i in range(cfg.decode)}
+    return {**{f"raypd-prefill-{i}": "prefill" for i in range(cfg.prefill)},
+            **{f"raypd-decode-{i}": "decode" for i in range(cfg.decode)}}
+
+
+def engine_names(cfg: Config) -> dict[str, list[str]]:
+    """Actor names by role; colocated engines stand in the "decode" list."""
+    roles = engine_roles(cfg)
+    return {"prefill": [n for n, r in roles.items() if r == "prefill"],
+            "decode": [n for n, r in roles.items() if r != "prefill"]}
+
+
+def create_engine(cfg: Config, name: str, role: Role) -> Any:
+    return RemoteScheduler.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(
+        cfg.to_dict(), role, name)
+
+
+def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
+    """Create the named engine actors into `engines` (so a caller can clean up after a failure
+    part-way), wait until they are ready, and give every decode engine every prefill worker's
+    NIXL agent (metadata through Ray). Returns the names by role."""
+    for name, role in engine_roles(cfg).items():
+        engines[name] = create_engine(cfg, name, role)
+    ray.get([h.ready.remote() for h in engines.values()])
+    names = engine_names(cfg)
+    if names["prefill"]:
+        peers = [p for ps in ray.get([engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
+        ray.get([engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
+    return names
+
+
+def stop_engines(names: list[str], timeout_s: float) -> None:
+    """Shut down and kill the named engines that exist (replacements included)."""
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue  # never created, or already gone
+        try:
+            ray.get(handle.shutdown.remote(), timeout=timeout_s)
+        except Exception:  # an engine that is already dead needs no shutdown
+            log.debug("engine %s did not shut down cleanly", name, exc_info=True)
+        try:
+            ray.kill(handle)
+        except Exception:
+            log.debug("engine %s could not be killed", name, exc_info=True)
+
+
+def failed(error: BaseException) -> bool:
+    """Whether a call's error means the engine is gone for good: its actor died, or its step
+    loop failed (it then raises from every `stats`)."""
+    if isinstance(error, RayActorError):
+        return True
+    return isinstance(error, RayTaskError) and "engine failed" in str(error.cause)
+
+
+class EngineSupervisor:
+    """Looks at every engine each `interval_s` and replaces the failed ones. `on_replaced`
+    gets the new handle, so the router's clients reach the new actor."""
+
+    def __init__(self, cfg: Config, handles: dict[str, Any], on_replaced: Callable[[str, Any], None],
+                 interval_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
+        self.cfg = cfg
+        self.roles = engine_roles(cfg)
+        self.handles = dict(handles)
+        self.on_replaced = on_replaced
+        self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.num_replaced = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            for name in list(self.roles):
+                if await self._failed(name):
+                    try:
+                        await self.replace(name)
+                    except Exception:
+                        log.exception("could not replace engine %s; trying again", name)
+
+    async def _failed(self, name: str) -> bool:
+        try:
+            await asyncio.wait_for(self.handles[name].stats.remote(), self.probe_timeout_s)
+        except TimeoutError:
+            return False  # busy is not dead
+        except Exception as e:
+            return failed(e)
+        return False
+
+    async def replace(self, name: str) -> None:
+        role = self.roles[name]
+        log.warning("engine %s (%s) failed: replacing it", name, role)
+        try:
+            ray.kill(self.handles[name], no_restart=True)
+        except Exception:
+            log.debug("engine %s was already gone", name, exc_info=True)
+        handle = await self._create(name, role)
+        await handle.ready.remote()
+        names = engine_names(self.cfg)
+        if role == "decode":
+            peers = await asyncio.gather(*(self.handles[n].nixl_peers.remote() for n in names["prefill"]))
+            await handle.add_nixl_peers.remote([p for ps in peers for p in ps])
+        elif role == "prefill":
+            peers = await handle.nixl_peers.remote()
+            await asyncio.gather(*(self.handles[n].add_nixl_peers.remote(peers) for n in names["decode"]))
+        self.handles[name] = handle
+        self.num_replaced += 1
+        self.on_replaced(name, handle)
+        log.warning("engine %s is back", name)
+
+    async def _create(self, name: str, role: Role) -> Any:
+        """The dead actor's name is freed a moment after the kill; until then creation fails."""
+        deadline = time.monotonic() + _NAME_FREE_TIMEOUT_S
+        while True:
+            try:
+                return create_engine(self.cfg, name, role)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
