@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from actors.messages import InvalidRequestError, SamplingParams
+from actors.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
 
 MAX_N = 16  # choices per request; each choice is one engine request
 MAX_PROMPTS = 64  # prompts in one completion request, each run n times
@@ -30,7 +30,6 @@ MAX_NAME_CHARS = 256  # model, user and message names
 MAX_MESSAGES = 4096  # messages in a chat, and content parts in one message
 MAX_LOGPROBS = 5  # /v1/completions, as OpenAI allows
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions, as OpenAI allows
-MAX_TOP_K = 2**31 - 1  # the sampler compares it with vocabulary ranks in an int64 tensor
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes as a signed seed
 
 
