@@ -1,7 +1,7 @@
 """The one ordered queue a worker's device work runs on.
 
 A worker zeroes new attention pages and runs its forward on a single stream, so step N+1's
-zeroing is queued behind step N's forward (DESIGN.md §1). NIXL transfers do not go through
+zeroing is queued behind step N's forward (docs/design.md §1). NIXL transfers do not go through
 this queue: they land whenever UCX completes them, which is exactly the window in which a
 late zeroing can wipe loaded KV. On CUDA the queue is a `torch.cuda.Stream`; on CPU a single
 FIFO thread plays that role, so the same race exists in CPU tests.

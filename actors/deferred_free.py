@@ -1,4 +1,4 @@
-"""Freed blocks wait for the last step that used them (DESIGN.md §1, "deferred free").
+"""Freed blocks wait for the last step that used them (docs/design.md §3).
 
 Under async scheduling a request can finish or be preempted while a step that writes its
 blocks is still running; if those blocks went straight back to the pool they could be handed

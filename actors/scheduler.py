@@ -7,7 +7,7 @@ recomputed. Under async scheduling step N+1 is scheduled while step N runs: a re
 step N will sample a token carries a placeholder for it, so its next decode step can be
 scheduled before the token is known (the workers know it by then).
 
-Two fences keep memory safe under that overlap (DESIGN.md §1):
+Two fences keep memory safe under that overlap (docs/design.md §3):
 - freed blocks go back to the pool only once the last step that used them has reported;
 - a preempted request is not resumed before that either.
 
@@ -21,11 +21,9 @@ UCX completes it, so zeroing those blocks could wipe KV that already arrived.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
 from actors.deferred_free import DeferredFree
 from actors.messages import (
@@ -38,6 +36,7 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.stop import StopChecker
+from actors.scheduler_pd import DisaggConfig, DisaggScheduling
 from kv.kv_cache_manager import KVCacheManager
 from kv.nixl_scheduler import NixlSchedulerConnector
 
@@ -53,24 +52,14 @@ class SchedulerConfig:
     max_model_len: int
 
 
-@dataclass(frozen=True, slots=True)
-class DisaggConfig:
-    role: Literal["prefill", "decode"]
-    engine_id: str
-    lease_s: float = 60.0
-    # Debug only: zero the blocks a remote load covers, as before the fix (DESIGN.md I6).
-    debug_zero_loaded_blocks: bool = False
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
-
-
-class Scheduler:
+class Scheduler(DisaggScheduling):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker,
                  disagg: DisaggConfig | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
         self.disagg = disagg
-        self.connector = (NixlSchedulerConnector(kv.groups, kv.block_size, disagg.lease_s)
+        self.connector = (NixlSchedulerConnector(kv.managers, disagg.lease_s)
                           if disagg is not None else None)
         self.agent_name = ""  # the worker's NIXL agent, named in the KVTransferParams we hand out
         self.loading: dict[str, Request] = {}  # waiting for their remote KV
@@ -121,37 +110,15 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
                 f"{total}, beyond the model's context of {self.config.max_model_len} tokens", param="max_tokens")
-        attn_blocks = -(-total // self.kv.block_size) * sum(g.kind == "attention" for g in self.kv.groups)
-        if attn_blocks + len(self.kv.groups) > self.kv.num_blocks:
+        need = sum(m.num_required_blocks(total) for m in self.kv.managers)
+        if need > self.kv.num_blocks:
             raise InvalidRequestError(
-                f"the request needs about {attn_blocks} KV blocks; the cache has {self.kv.num_blocks}",
-                param="max_tokens")
-
-    def _check_transfer(self, req: Request) -> None:
-        """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
-        a stalled queue or a failed worker step."""
-        params = req.kv_transfer_params
-        assert params is not None
-        if self.connector is None:
-            raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
-        if params.num_tokens >= req.num_prompt_tokens:
-            raise InvalidRequestError(f"kv_transfer_params cover {params.num_tokens} tokens of a "
-                                      f"{req.num_prompt_tokens}-token prompt", param="kv_transfer_params")
-        if len(params.remote_block_ids) != len(self.kv.groups):
-            raise InvalidRequestError(f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
-                                      f"this model has {len(self.kv.groups)}", param="kv_transfer_params")
-        for group, ids in zip(self.kv.groups, params.remote_block_ids):
-            need = -(-params.num_tokens // self.kv.block_size) if group.kind == "attention" else min(params.num_tokens, 1)
-            if len(ids) != need:
-                raise InvalidRequestError(f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
-                                          f"{params.num_tokens} tokens, expected {need}", param="kv_transfer_params")
+                f"the request needs {need} KV blocks; the cache has {self.kv.num_blocks}", param="max_tokens")
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks. On a prefill engine this also drops KV held for
         a decode side that will never read it (the client left between the two engines)."""
-        if req_id in self._held and self.connector is not None:
-            self.connector.release(req_id)
-            self.freed.release(req_id, self._held.pop(req_id))
+        self._release_held(req_id)
         req = self.requests.get(req_id)
         if req is None:
             if req_id not in self.loading and req_id not in self.freed:
@@ -287,20 +254,6 @@ class Scheduler:
         """Transfers in flight only report through a step's result, so keep stepping."""
         return bool(self.loading or self._held)
 
-    def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
-        """The fix (DESIGN.md §1): the blocks this load fills stay out of the zero list."""
-        assert self.connector is not None and req.kv_transfer_params is not None
-        req.num_computed_tokens = hit
-        req.num_external_tokens = external
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        req.last_step = step  # this step ships the load and the zero list touching its blocks
-        self.loading[req.req_id] = req
-        assert self.disagg is not None
-        if not self.disagg.debug_zero_loaded_blocks:
-            self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
-        self.connector.update_state_after_alloc(req.req_id, req.kv_transfer_params,
-                                                self.kv.get_block_ids(req.req_id), hit, external)
-
     def _num_new_tokens(self, req: Request) -> int:
         if req.num_expected_outputs >= req.sampling.max_tokens:
             return 0  # the last token it may produce is already being sampled
@@ -340,9 +293,9 @@ class Scheduler:
         """This step's new attention blocks minus those a remote load covers; the skip set
         only ever edits the list being built, never one already shipped. Zeroing a block uses
         it: its owner's blocks are not freed before `step` reports."""
-        owners = self.kv.take_new_block_ids_with_owners()
+        owners = self.kv.take_blocks_to_zero()
         skip, self._skip_zero_block_ids = self._skip_zero_block_ids, set()
-        if not self.kv.needs_zeroing:
+        if not self.kv.zeroes_new_blocks:
             return None
         kept = [b for b in owners if b not in skip]
         for req_id in {owners[b] for b in kept}:
@@ -377,27 +330,10 @@ class Scheduler:
         starts = self._step_starts.pop(out.step_id, {})
         for req_id, why in result.failed_reqs.items():
             outputs.extend(self._worker_failed(out, starts, req_id, why))
-        for req_id in result.finished_recving:
-            outputs.extend(self._load_finished(req_id, None))
-        for req_id, bad in result.failed_loads.items():
-            outputs.extend(self._load_finished(req_id, bad))
         if self.connector is not None:
-            for req_id in [*result.finished_sending, *self.connector.expired()]:
-                self.connector.release(req_id)
-                if req_id in self._held:
-                    self.freed.release(req_id, self._held.pop(req_id))
+            outputs.extend(self._transfers_ended(result))
         self.freed.reported(out.step_id)
         return self.take_outputs() + outputs
-
-    def _hand_over(self, req: Request) -> RequestOutput:
-        """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
-        assert self.connector is not None and self.disagg is not None
-        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.agent_name,
-                                                 self.kv.get_block_ids(req.req_id), req.num_prompt_tokens)
-        self._held[req.req_id] = req.last_step
-        self._finish(req, "length", keep_blocks=True)
-        out = self._output(req)
-        return dataclasses.replace(out, kv_transfer_params=params.to_dict())
 
     def _worker_failed(self, out: SchedulerOutput, starts: dict[str, int], req_id: str,
                        why: str) -> list[RequestOutput]:
@@ -423,61 +359,6 @@ class Scheduler:
         req.error = why
         self._finish(req, "error")
         return [self._output(req)]
-
-    def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> list[RequestOutput]:
-        req = self.loading.pop(req_id, None)
-        if req is None:
-            return []
-        if req.finished:  # aborted while its pages were being written: free them now
-            self.freed.release(req.req_id, req.last_step)
-            return []
-        req.load_done = True
-        req.status = RequestStatus.WAITING
-        assert req.kv_transfer_params is not None and self.connector is not None
-        why = None
-        if bad_blocks is not None:
-            why = f"KV transfer from the prefill engine failed for blocks {sorted(bad_blocks)}"
-        elif not self.connector.lease_ok(req.kv_transfer_params):
-            # The READ ended too close to the lease's end: the pages may have been reused.
-            self.num_expired_leases += 1
-            bad_blocks = self.kv.get_zeroing_block_ids_in_range(
-                req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens)
-            why = "its KV lease at the prefill engine expired during the load"
-        if why is None:
-            req.num_computed_tokens += req.num_external_tokens
-        else:
-            if not self._load_failed(req, why):
-                return []
-            valid = self._valid_prefix(req, set(bad_blocks or ()))
-            self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2: zeroed before recompute
-            req.num_computed_tokens = valid
-        self.loaded.append(req)
-        return []
-
-    def _load_failed(self, req: Request, why: str) -> bool:
-        """Apply the load-failure policy: True to recompute, False if the request failed."""
-        self.num_failed_loads += 1
-        assert self.disagg is not None
-        req.load_done = True
-        if self.disagg.load_failure_policy == "recompute":
-            log.info("request %s recomputes its prompt: %s", req.req_id, why)
-            return True
-        req.error = why
-        self._finish(req, "error")
-        self._outputs.append(self._output(req))
-        return False
-
-    def _valid_prefix(self, req: Request, bad: set[int]) -> int:
-        """Tokens still good after a partial load failure: up to the first invalid attention
-        block. A hybrid model keeps none: its Mamba state exists only at the prompt's end."""
-        if self.kv.needs_zeroing:
-            return 0
-        end = req.num_computed_tokens + req.num_external_tokens
-        for group, ids in zip(self.kv.groups, self.kv.get_block_ids(req.req_id)):
-            if group.kind == "attention":
-                first_bad = next((i for i, b in enumerate(ids) if b in bad), len(ids))
-                end = min(end, first_bad * self.kv.block_size)
-        return end
 
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req.num_emitted:]

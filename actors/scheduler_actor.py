@@ -70,5 +70,6 @@ class SchedulerActor:
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
 
 
-# Control-plane actor: it schedules, it does not compute, so it takes no CPU slot (DESIGN.md §4).
+# Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU
+# accounting runs out fast on a 2-core machine.
 RemoteScheduler = ray.remote(num_cpus=0, max_concurrency=1000)(SchedulerActor)

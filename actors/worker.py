@@ -6,7 +6,7 @@ updates, zero the step's new attention pages, run the forward, sample.
 Fault isolation: a request the worker cannot run (an update that contradicts what it knows,
 a load it cannot post, a sampling failure) is dropped and reported in `failed_reqs`; if the
 forward itself fails, every request of that step fails, and only those. The engine goes on. Keeping all of it
-in one job keeps the order DESIGN.md §1 depends on: a step's zeroing runs after the
+in one job keeps the order docs/design.md §1 depends on: a step's zeroing runs after the
 previous step's forward and before its own. The worker's token lists are the truth for
 what a step computes: under async scheduling a decode step names a token the previous
 step is still sampling, which only the worker knows.

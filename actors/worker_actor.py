@@ -83,6 +83,6 @@ class WorkerActor:
 
 
 # num_cpus=0: a worker's cores are governed by `num_threads`, not by Ray's CPU accounting,
-# which runs out fast on a 2-core CI machine (DESIGN.md §4). Callers that want Ray to place
+# which runs out fast on a 2-core CI machine. Callers that want Ray to place
 # workers by CPU or GPU pass `.options(num_cpus=..., num_gpus=...)`.
 RemoteWorker = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY)(WorkerActor)

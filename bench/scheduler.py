@@ -25,8 +25,8 @@ GROUPS = (CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3)))
 class _NoZeroScheduler(Scheduler):
     """The baseline: new block ids are drained but never become a zero list."""
 
-    def _get_new_block_ids_to_zero(self) -> list[int] | None:
-        self.kv.take_new_block_ids()
+    def _get_new_block_ids_to_zero(self, step: int) -> list[int] | None:
+        self.kv.take_blocks_to_zero()
         return None
 
 

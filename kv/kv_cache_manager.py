@@ -1,10 +1,10 @@
 """The scheduler's view of KV memory: block tables for every layer group over one pool,
 the prefix cache, and the list of fresh attention blocks the workers must zero.
 
-Zero bookkeeping (DESIGN.md §1): a page may have held fp32 Mamba state before it is
-handed to an attention group, and stale bits can read as NaN, so every block newly
+Zero bookkeeping (docs/design.md §1, §10): a page may have held fp32 Mamba state before it
+is handed to an attention group, and stale bits can read as NaN, so every block newly
 taken from the pool for an attention group is recorded and drained each step by
-`take_new_block_ids`. The scheduler removes from that list the blocks a remote KV load
+`take_blocks_to_zero`. The scheduler removes from that list the blocks a remote KV load
 will fill (`get_zeroing_block_ids_in_range`), since zeroing queued behind a running
 forward could land after the transfer and wipe it.
 """
@@ -54,7 +54,7 @@ class KVCacheManager:
         self._attention = tuple(m for m in self.managers if isinstance(m, FullAttentionManager))
         # Fresh attention block ids awaiting zeroing -> owning request, in allocation
         # order (a dict keeps order and refuses duplicates).
-        self._pending_zero: dict[int, str] = {}
+        self._blocks_to_zero: dict[int, str] = {}
         # Full-block hashes per request, extended as the request grows.
         self._req_hashes: dict[str, list[bytes]] = {}
         # Prefix-hit token count found by get_computed_blocks, for allocate_slots.
@@ -63,7 +63,7 @@ class KVCacheManager:
     # -- properties -------------------------------------------------------------
 
     @property
-    def needs_zeroing(self) -> bool:
+    def zeroes_new_blocks(self) -> bool:
         """Only hybrid models share pages between Mamba state and attention K/V; a
         dense model's pages only ever held K/V of the same dtype, so never NaN bits."""
         return self._has_mamba
@@ -140,9 +140,9 @@ class KVCacheManager:
         new_ids: list[list[int]] = []
         for manager in self.managers:
             ids = [b.block_id for b in manager.allocate_new_blocks(req_id, num_tokens_total)]
-            if manager.records_new_block_ids:
+            if manager.zeroes_new_blocks:
                 # Prefix hits never get here: their content is valid and must stay.
-                self._pending_zero.update(dict.fromkeys(ids, req_id))
+                self._blocks_to_zero.update(dict.fromkeys(ids, req_id))
             new_ids.append(ids)
         return tuple(new_ids)
 
@@ -189,10 +189,8 @@ class KVCacheManager:
         zeroing are dropped: a block may be reallocated before the next take, and
         zeroing it then would wipe the new owner's data (it is recorded again if it
         goes to an attention group)."""
+        self.forget_blocks_to_zero(req_id)
         for manager in self.managers:
-            for block_id in manager.block_ids(req_id):
-                if self._pending_zero.get(block_id) == req_id:
-                    del self._pending_zero[block_id]
             manager.free(req_id)
         self._req_hashes.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
@@ -207,28 +205,25 @@ class KVCacheManager:
 
     # -- zero bookkeeping ------------------------------------------------------------
 
-    def take_new_block_ids(self) -> list[int]:
-        """Drain the attention blocks allocated since the last take, in allocation order."""
-        return list(self.take_new_block_ids_with_owners())
-
-    def take_new_block_ids_with_owners(self) -> dict[int, str]:
-        """`take_new_block_ids` with each block's owning request: the step that zeroes a
-        block uses it, so its owner's blocks must not be freed before that step reports."""
-        taken, self._pending_zero = self._pending_zero, {}
+    def take_blocks_to_zero(self) -> dict[int, str]:
+        """Drain the blocks to zero, in the order they were recorded, with each one's owner:
+        attention blocks newly allocated, and blocks re-recorded after a failed load. The
+        step that zeroes a block uses it: its owner's blocks are not freed before it reports."""
+        taken, self._blocks_to_zero = self._blocks_to_zero, {}
         return taken
 
     def forget_blocks_to_zero(self, req_id: str) -> None:
         """Drop the request's blocks not yet taken for zeroing: it will not compute into them
         (it finished), and a block handed to an attention group again is recorded again."""
-        for block_id in [b for b, owner in self._pending_zero.items() if owner == req_id]:
-            del self._pending_zero[block_id]
+        for block_id in [b for b, owner in self._blocks_to_zero.items() if owner == req_id]:
+            del self._blocks_to_zero[block_id]
 
     def uncache_blocks(self, req_id: str, start_token: int, end_token: int) -> set[str]:
         """Withdraw from the prefix cache the request's blocks covering tokens
         [start_token, end_token), whose KV a failed step never wrote, and name the other
         requests that already share any of them (through a prefix hit): their KV is wrong too."""
-        lo, hi = start_token // self.block_size, -(-end_token // self.block_size)
-        blocks = [b for m in self._attention for b in m.req_to_blocks.get(req_id, [])[lo:hi]]
+        blocks = [b for m in self._attention
+                  for b in m.req_to_blocks.get(req_id, [])[m.block_span(start_token, end_token)]]
         self.pool.uncache(blocks)
         ids = {b.block_id for b in blocks if b.ref_cnt > 1}
         return {r for m in self._attention for r, bs in m.req_to_blocks.items()
@@ -238,11 +233,8 @@ class KVCacheManager:
         self, req_id: str, start_token: int, end_token: int
     ) -> list[int]:
         """Attention block ids that a remote load of tokens [start_token, end_token)
-        overwrites: block indices [start // block_size, ceil(end / block_size))."""
-        if start_token >= end_token:
-            return []
-        lo, hi = start_token // self.block_size, -(-end_token // self.block_size)
-        return [bid for m in self._attention for bid in m.block_ids(req_id)[lo:hi]]
+        overwrites (each manager's `block_span`)."""
+        return [bid for m in self._attention for bid in m.block_ids_in_range(req_id, start_token, end_token)]
 
     def record_blocks_for_zeroing(self, req_id: str, start_token: int) -> None:
         """Record every attention block from `start_token` on for zeroing (a failed
@@ -257,7 +249,7 @@ class KVCacheManager:
         if shared:
             raise ValueError(f"request {req_id}: blocks {shared} are shared, not zeroable")
         for block in blocks:
-            self._pending_zero.setdefault(block.block_id, req_id)
+            self._blocks_to_zero.setdefault(block.block_id, req_id)
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -281,6 +273,6 @@ class KVCacheManager:
             assert count <= 1 or block.block_hash is not None, (
                 f"block {block.block_id} is owned {count} times but is not a cached block"
             )
-        for block_id, req_id in self._pending_zero.items():
+        for block_id, req_id in self._blocks_to_zero.items():
             held = any(block_id in m.block_ids(req_id) for m in self._attention)
             assert held, f"block {block_id} pending zeroing is not held by {req_id}"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kv.transfer_params import KVTransferParams
-from models.batch import CacheGroup
+from kv.single_type_manager import SingleTypeManager
 
 LEASE_MARGIN_S = 0.25
 
@@ -44,10 +44,9 @@ class ConnectorMetadata:
 
 
 class NixlSchedulerConnector:
-    def __init__(self, groups: Sequence[CacheGroup], block_size: int, lease_s: float,
+    def __init__(self, managers: Sequence[SingleTypeManager], lease_s: float,
                  clock: Callable[[], float] = time.time) -> None:
-        self.groups = tuple(groups)
-        self.block_size = block_size
+        self.managers = tuple(managers)
         self.lease_s = lease_s
         self.clock = clock
         self._loads: list[LoadSpec] = []
@@ -71,18 +70,16 @@ class NixlSchedulerConnector:
 
     def update_state_after_alloc(self, req_id: str, params: KVTransferParams, block_ids: Sequence[Sequence[int]],
                                  num_local_computed: int, num_external: int) -> None:
-        """Plan the READ of tokens [local, local + external) into the request's blocks. A local
-        hit is block aligned, so the remote blocks before it are skipped block for block."""
-        first = num_local_computed // self.block_size
-        last = -(-(num_local_computed + num_external) // self.block_size)
+        """Plan the READ of tokens [local, local + external) into the request's blocks: in each
+        group the blocks holding those tokens (a local hit is block aligned, so the remote
+        blocks before it are skipped block for block; a state group reads its one slot, the
+        remote's state after its last computed token)."""
+        end = num_local_computed + num_external
         local, remote = [], []
-        for group, mine, theirs in zip(self.groups, block_ids, params.remote_block_ids):
-            if group.kind == "attention":
-                local.append(tuple(mine[first:last]))
-                remote.append(tuple(theirs[first:last]))
-            else:  # the state slot: one page, after the remote's last computed token
-                local.append(tuple(mine[:1]))
-                remote.append(tuple(theirs[:1]))
+        for manager, mine, theirs in zip(self.managers, block_ids, params.remote_block_ids):
+            span = manager.block_span(num_local_computed, end)
+            local.append(tuple(mine[span]))
+            remote.append(tuple(theirs[span]))
         sliced = dataclasses.replace(params, remote_block_ids=tuple(remote))
         self._loads.append(LoadSpec(req_id, sliced, tuple(local)))
 

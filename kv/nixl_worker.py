@@ -8,7 +8,7 @@ index = buffer * num_blocks + block. A load is then two index lists.
 
 Completion. A READ's bytes land outside the compute stream, while it runs other steps
 (UCX moves them; on one host cma reads the peer's memory directly). Nothing here waits
-for that stream; the scheduler keeps loaded blocks out of the zero list (DESIGN.md §1).
+for that stream; the scheduler keeps loaded blocks out of the zero list (docs/design.md §2).
 The READ carries a notification naming the prefill request id, sent once the decode side
 sees the READ done; the prefill side reports it in `done_sending` and frees the blocks.
 A failed or abandoned (`send_notif`) load notifies too, so no prefill block is stranded;

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from kv.block_hash import with_group
 from kv.block_pool import BlockPool, KVBlock
+from models.batch import cdiv
 
 
 class SingleTypeManager(ABC):
@@ -19,7 +20,7 @@ class SingleTypeManager(ABC):
     workers index them by position, so a block never moves or disappears mid-request."""
 
     # True when a page newly taken from the pool must be zeroed before first use.
-    records_new_block_ids: ClassVar[bool]
+    zeroes_new_blocks: ClassVar[bool]
 
     def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
         self.pool = pool
@@ -28,8 +29,16 @@ class SingleTypeManager(ABC):
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
 
     @abstractmethod
+    def block_span(self, start_token: int, end_token: int) -> slice:
+        """Where in a request's table the blocks holding tokens [start_token, end_token) are:
+        what a load of those tokens writes, what a failed step leaves unwritten."""
+
     def num_required_blocks(self, num_tokens: int) -> int:
         """Blocks a request with `num_tokens` tokens must own in this group."""
+        return self.block_span(0, num_tokens).stop
+
+    def block_ids_in_range(self, req_id: str, start_token: int, end_token: int) -> list[int]:
+        return self.block_ids(req_id)[self.block_span(start_token, end_token)]
 
     def get_num_blocks_to_allocate(self, req_id: str, num_tokens: int) -> int:
         owned = len(self.req_to_blocks.get(req_id, ()))
@@ -56,7 +65,7 @@ class SingleTypeManager(ABC):
 class FullAttentionManager(SingleTypeManager):
     """One block per `block_size` tokens; full blocks can be shared by prefix caching."""
 
-    records_new_block_ids = True
+    zeroes_new_blocks = True
 
     def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
         super().__init__(pool, block_size, group_id)
@@ -64,8 +73,10 @@ class FullAttentionManager(SingleTypeManager):
         # caching after every step only looks at blocks that just became full.
         self._num_cached: dict[str, int] = {}
 
-    def num_required_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def block_span(self, start_token: int, end_token: int) -> slice:
+        if start_token >= end_token:
+            return slice(0, 0)
+        return slice(start_token // self.block_size, cdiv(end_token, self.block_size))
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
         """Cached blocks for the longest prefix of `block_hashes`; the chain stops at
@@ -109,7 +120,8 @@ class MambaManager(SingleTypeManager):
     there is no prefix caching: a hit would need the state at that exact token, which
     is not kept."""
 
-    records_new_block_ids = False
+    zeroes_new_blocks = False
 
-    def num_required_blocks(self, num_tokens: int) -> int:
-        return 1
+    def block_span(self, start_token: int, end_token: int) -> slice:
+        # The one state slot holds whatever prefix was computed last, whatever the range.
+        return slice(0, 1) if start_token < end_token else slice(0, 0)

@@ -4,7 +4,7 @@ The paged path gathers *whole* blocks through each request's block table and mas
 slots past the query position with a zero probability. Probabilities multiply the values,
 so a NaN left in an unused slot of an allocated block still turns the output into NaN
 (0 * NaN = NaN). That is deliberate: it is the property that makes zero-on-allocate
-necessary (DESIGN.md §1), and the tests rely on it to see the bug when zeroing is skipped.
+necessary (docs/design.md §1), and the tests rely on it to see the bug when zeroing is skipped.
 Slots of table padding (blocks the request does not own) are replaced by zeros, so one
 request never poisons another.
 """

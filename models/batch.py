@@ -21,6 +21,11 @@ Mamba: (conv state [num_blocks, conv_dim, kernel - 1], SSM state [num_blocks, he
 state]), fp32. Both are views over page memory owned by `kv/`."""
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks of size `b` that `a` tokens take."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheGroup:
     """Layers that share one block table: the i-th block of a request means the same page
@@ -137,7 +142,7 @@ def _attn_meta(
 ) -> AttnMeta:
     # Gather only the blocks that hold this request's K/V after the step; a request may own
     # more (look-ahead), and those must not be read.
-    used = [-(-(c.num_computed + len(c.token_ids)) // block_size) for c in chunks]
+    used = [cdiv(c.num_computed + len(c.token_ids), block_size) for c in chunks]
     for r, c in enumerate(chunks):
         if len(c.block_ids[group]) < used[r]:
             raise ValueError(f"request {r} has {len(c.block_ids[group])} blocks, needs {used[r]}")

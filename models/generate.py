@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch
+from models.batch import SeqChunk, build_forward_batch, cdiv
 
 
 @torch.inference_mode()
@@ -34,7 +34,7 @@ def greedy_generate(
     cfg = model.config
     weight = next(model.parameters())
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    per_req = -(-max_len // block_size)
+    per_req = cdiv(max_len, block_size)
     layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=1)
     need = sum(per_req if g.kind == "attention" else 1 for g in layout.groups) * len(prompts)
     layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=need)

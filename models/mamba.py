@@ -2,7 +2,7 @@
 
 A request's recurrent state is a conv state (the last `conv_kernel - 1` inputs of the
 causal convolution) and an SSM state `[heads, head_dim, state]`, both fp32, in the page
-its Mamba group allocated. Mamba pages are never zeroed (DESIGN.md §1): the first chunk of
+its Mamba group allocated. Mamba pages are never zeroed (docs/design.md §1): the first chunk of
 a request starts from zeros *without reading* its slot, and every step overwrites the slot.
 Prefill chunks run the chunked SSD scan per request; decode tokens run one vectorised step.
 """

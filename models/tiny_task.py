@@ -24,6 +24,8 @@ import random
 import string
 from dataclasses import dataclass
 
+from models.batch import cdiv
+
 KEY_CHARS = string.ascii_lowercase
 VALUE_CHARS = string.digits
 KEY_LEN = 2
@@ -37,7 +39,7 @@ QUERY_TOKENS = len(QUERY) + KEY_LEN + len(BIND)
 MIN_PROMPT_TOKENS = 64
 MAX_PROMPT_TOKENS = 256
 # Pair counts whose one-query prompt length falls inside the bounds above.
-MIN_PAIRS = -(-(MIN_PROMPT_TOKENS - QUERY_TOKENS) // PAIR_TOKENS)
+MIN_PAIRS = cdiv(MIN_PROMPT_TOKENS - QUERY_TOKENS, PAIR_TOKENS)
 MAX_PAIRS = (MAX_PROMPT_TOKENS - QUERY_TOKENS) // PAIR_TOKENS
 
 EVAL_SEED = 0

@@ -47,7 +47,7 @@ def build_app(cfg: Config, engine_names: dict[str, list[str]], namespace: str) -
     deployment = serve.deployment(
         serve.ingress()(Ingress),
         name=DEPLOYMENT_NAME,
-        ray_actor_options={"num_cpus": 0},  # it routes, it does not compute (DESIGN.md §4)
+        ray_actor_options={"num_cpus": 0},  # it routes, it does not compute
         max_ongoing_requests=capacity,
     )
     return deployment.bind(cfg.to_dict(), engine_names, namespace)

@@ -42,7 +42,7 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
         if not ray.is_initialized():
             if cfg.address is None:
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
-                # on a small machine (DESIGN.md §4).
+                # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
                 ray.init(address="local", namespace=NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
                          logging_level=cfg.log_level, **ray_init)
                 dep.started_cluster = True

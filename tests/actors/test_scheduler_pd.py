@@ -1,4 +1,4 @@
-"""The fix on the scheduler side (DESIGN.md §1): blocks a remote KV load covers stay out of
+"""The fix on the scheduler side (docs/design.md §2): blocks a remote KV load covers stay out of
 the zero list, only for that step; failed loads are zeroed before recompute."""
 
 from __future__ import annotations

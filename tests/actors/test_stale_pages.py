@@ -40,7 +40,7 @@ def _reference(path: str, reqs) -> list[list[int]]:
 def test_stale_mamba_page_reused_as_attention(hybrid, monkeypatch, zeroing):
     if not zeroing:
         def no_zeroing(self: Scheduler, step: int) -> None:
-            self.kv.take_new_block_ids()
+            self.kv.take_blocks_to_zero()
             return None
 
         monkeypatch.setattr(Scheduler, "_get_new_block_ids_to_zero", no_zeroing)

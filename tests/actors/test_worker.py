@@ -167,7 +167,7 @@ def test_async_steps_decode_the_token_the_worker_sampled(checkpoint):
     worker.close()
 
 
-def test_stale_mamba_page_reused_for_attention_needs_zeroing(checkpoint):
+def test_stale_mamba_page_reused_for_attention_zeroes_new_blocks(checkpoint):
     def run(zero: bool) -> ModelRunnerOutput:
         worker = make_worker(checkpoint)
         drv = Driver(worker)

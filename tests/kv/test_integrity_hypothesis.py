@@ -32,7 +32,7 @@ class KVLifecycle(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.prompts: list[list[int]] = []
         self.next_id = 0
-        # What take_new_block_ids must return next: fresh attention blocks (and blocks
+        # What take_blocks_to_zero must return next: fresh attention blocks (and blocks
         # recorded after a failed load), in order, minus those of freed requests.
         self.expected_zero: dict[int, str] = {}
 
@@ -106,7 +106,7 @@ class KVLifecycle(RuleBasedStateMachine):
 
     @rule()
     def take(self) -> None:
-        taken = self.kv.take_new_block_ids()
+        taken = list(self.kv.take_blocks_to_zero())
         assert taken == list(self.expected_zero)
         self.expected_zero.clear()
         mamba_blocks = {
@@ -126,7 +126,7 @@ class KVLifecycle(RuleBasedStateMachine):
     def teardown(self) -> None:
         for req_id in list(self.tokens):
             self.kv.free(req_id)
-        assert self.kv.take_new_block_ids() == []
+        assert list(self.kv.take_blocks_to_zero()) == []
         assert self.kv.num_free_blocks == self.num_blocks
         self.kv.check_integrity()
 

@@ -49,14 +49,14 @@ def test_growing_returns_only_new_blocks_and_mamba_stays_one_slot():
 def test_exhaustion_returns_none_and_changes_nothing():
     kv = make(num_blocks=10, block_size=2)
     assert kv.allocate_slots("a", 14) is not None  # 7 attention + 1 mamba
-    pending = kv.take_new_block_ids()
+    pending = list(kv.take_blocks_to_zero())
     kv.allocate_slots("a", 16)  # one more attention block: 1 free left
     before = (kv.num_free_blocks, kv.get_block_ids("a"), kv.num_requests)
     assert kv.allocate_slots("b", 2) is None  # 1 attention + 1 mamba > 1 free
     assert kv.allocate_slots("a", 20) is None
     assert (kv.num_free_blocks, kv.get_block_ids("a"), kv.num_requests) == before
     assert kv.get_block_ids("b") == ([], [])
-    assert len(pending) == 7 and len(kv.take_new_block_ids()) == 1
+    assert len(pending) == 7 and len(list(kv.take_blocks_to_zero())) == 1
     kv.check_integrity()
 
 
@@ -89,7 +89,7 @@ def test_second_request_reuses_the_shared_prefix(prompt_b, expected_hit):
     prompt_a = [1, 2, 3, 4, 5, 6, 7]
     assert kv.get_computed_blocks("a", prompt_a) == 0
     kv.allocate_slots("a", len(prompt_a))
-    kv.take_new_block_ids()
+    list(kv.take_blocks_to_zero())
     kv.cache_full_blocks("a", prompt_a, len(prompt_a))
 
     hit = kv.get_computed_blocks("b", prompt_b)
@@ -100,7 +100,7 @@ def test_second_request_reuses_the_shared_prefix(prompt_b, expected_hit):
     assert b_ids[:num_hit_blocks] == a_ids[:num_hit_blocks]
     assert new_ids == b_ids[num_hit_blocks:]
     # Only the fresh blocks are zeroed: the shared ones hold valid K/V.
-    assert kv.take_new_block_ids() == new_ids
+    assert list(kv.take_blocks_to_zero()) == new_ids
     for block_id in a_ids[:num_hit_blocks]:
         assert kv.pool.blocks[block_id].ref_cnt == 2
     kv.check_integrity()
@@ -116,7 +116,7 @@ def test_hit_on_free_cached_blocks_counts_them_as_taken_and_evicts_a_tail():
     kv.allocate_slots("a", 8)
     kv.cache_full_blocks("a", prompt, 8)
     kv.free("a")  # free queue 3, 2, 1, 0, all cached
-    kv.take_new_block_ids()
+    list(kv.take_blocks_to_zero())
 
     hit = kv.get_computed_blocks("b", prompt)
     assert hit == 6  # blocks 0, 1, 2
@@ -126,7 +126,7 @@ def test_hit_on_free_cached_blocks_counts_them_as_taken_and_evicts_a_tail():
     assert flat(kv.allocate_slots("b", 8, hit)) == [3]
     assert kv.pool.blocks[3].block_hash is None  # evicted: its hash left the map
     assert kv.get_block_ids("b") == ([0, 1, 2, 3],)
-    assert kv.take_new_block_ids() == [3]
+    assert list(kv.take_blocks_to_zero()) == [3]
     kv.check_integrity()
 
 
@@ -166,25 +166,25 @@ def test_hybrid_model_disables_prefix_caching_and_logs(caplog):
 @pytest.mark.parametrize(
     ("groups", "needs"), [((ATT,), False), ((ATT, ATT2), False), ((ATT, MAMBA), True)]
 )
-def test_needs_zeroing_only_for_hybrid_models(groups, needs):
-    assert make(groups=groups).needs_zeroing is needs
+def test_zeroes_new_blocks_only_for_hybrid_models(groups, needs):
+    assert make(groups=groups).zeroes_new_blocks is needs
 
 
 def test_pages_move_between_mamba_and_attention_groups():
     kv = make(groups=(ATT, MAMBA), num_blocks=3, block_size=2)
     kv.allocate_slots("a", 4)
     assert kv.get_block_ids("a") == ([0, 1], [2])
-    assert kv.take_new_block_ids() == [0, 1]
+    assert list(kv.take_blocks_to_zero()) == [0, 1]
     kv.free("a")  # free queue: 1, 0 (attention, reversed), 2 (mamba)
     kv.allocate_slots("b", 2)
     # Block 0 held attention K/V and now holds Mamba state: not zeroed.
     assert kv.get_block_ids("b") == ([1], [0])
-    assert kv.take_new_block_ids() == [1]
+    assert list(kv.take_blocks_to_zero()) == [1]
     kv.free("b")  # free queue: 2, 1, 0
     kv.allocate_slots("c", 2)
     # Block 2 held fp32 Mamba state and now holds attention K/V: zeroed.
     assert kv.get_block_ids("c") == ([2], [1])
-    assert kv.take_new_block_ids() == [2]
+    assert list(kv.take_blocks_to_zero()) == [2]
     kv.check_integrity()
 
 
@@ -192,13 +192,13 @@ def test_zero_list_holds_new_attention_blocks_of_every_group_and_take_drains():
     kv = make(groups=(ATT, MAMBA, ATT2), num_blocks=10, block_size=2)
     kv.allocate_slots("a", 3)
     att, mamba, att2 = kv.get_block_ids("a")
-    assert kv.take_new_block_ids() == att + att2
-    assert kv.take_new_block_ids() == []
+    assert list(kv.take_blocks_to_zero()) == att + att2
+    assert list(kv.take_blocks_to_zero()) == []
     kv.allocate_slots("b", 1)
     kv.allocate_slots("a", 5)
     b_att, _, b_att2 = kv.get_block_ids("b")
     att, _, att2 = kv.get_block_ids("a")
-    taken = kv.take_new_block_ids()
+    taken = list(kv.take_blocks_to_zero())
     assert taken == b_att + b_att2 + [att[2], att2[2]]
     assert not set(taken) & set(mamba + kv.get_block_ids("b")[1])
 
@@ -209,12 +209,12 @@ def test_ids_of_a_request_freed_before_take_are_dropped_then_recorded_again():
     kv.allocate_slots("b", 2)
     a_att = kv.get_block_ids("a")[0]
     kv.free("a")
-    assert kv.take_new_block_ids() == kv.get_block_ids("b")[0]
+    assert list(kv.take_blocks_to_zero()) == kv.get_block_ids("b")[0]
     kv.check_integrity()
     # Taking every free block hands a's old attention pages out again: recorded anew.
     kv.allocate_slots("c", 2 * (kv.num_free_blocks - 1))
     assert set(a_att) <= set(kv.get_block_ids("c")[0])
-    assert kv.take_new_block_ids() == kv.get_block_ids("c")[0]
+    assert list(kv.take_blocks_to_zero()) == kv.get_block_ids("c")[0]
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,7 @@ def test_remote_load_after_local_hit_covers_exactly_the_fresh_blocks():
     local = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     kv.allocate_slots("a", 9)
     kv.cache_full_blocks("a", local, 9)
-    kv.take_new_block_ids()
+    list(kv.take_blocks_to_zero())
     prompt = local[:8] + list(range(20, 30))  # 18 tokens
     hit = kv.get_computed_blocks("b", prompt)
     assert hit == 8
@@ -249,7 +249,7 @@ def test_remote_load_after_local_hit_covers_exactly_the_fresh_blocks():
     skip = set(kv.get_zeroing_block_ids_in_range("b", hit, hit + num_external))
     (b_ids,) = kv.get_block_ids("b")
     assert skip == set(b_ids[2:5])
-    fresh = kv.take_new_block_ids()
+    fresh = list(kv.take_blocks_to_zero())
     assert fresh == b_ids[2:]
     assert [i for i in fresh if i not in skip] == []
 
@@ -257,17 +257,17 @@ def test_remote_load_after_local_hit_covers_exactly_the_fresh_blocks():
 def test_record_blocks_for_zeroing_from_an_aligned_token():
     kv = make(groups=(ATT, MAMBA), num_blocks=10, block_size=4)
     kv.allocate_slots("a", 12)
-    kv.take_new_block_ids()
+    list(kv.take_blocks_to_zero())
     att, _ = kv.get_block_ids("a")
     kv.record_blocks_for_zeroing("a", 4)
-    assert kv.take_new_block_ids() == att[1:]
+    assert list(kv.take_blocks_to_zero()) == att[1:]
     kv.record_blocks_for_zeroing("a", 12)
-    assert kv.take_new_block_ids() == []
+    assert list(kv.take_blocks_to_zero()) == []
     with pytest.raises(ValueError):
         kv.record_blocks_for_zeroing("a", 5)
     kv.record_blocks_for_zeroing("a", 0)
     kv.free("a")
-    assert kv.take_new_block_ids() == []
+    assert list(kv.take_blocks_to_zero()) == []
 
 
 def test_record_blocks_for_zeroing_refuses_shared_blocks():

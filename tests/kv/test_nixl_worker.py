@@ -135,7 +135,7 @@ def test_read_moves_exactly_the_requested_pages(sides):
 
 def test_pages_land_without_the_decode_side_polling(sides):
     """The bytes arrive while the decode worker makes no call at all (no get_finished, no
-    compute stream): the race of DESIGN.md §1 exists on CPU too."""
+    compute stream): the race of docs/design.md §1 exists on CPU too."""
     prefill, decode, _, info = sides
     src, before = ray.get([prefill.fill.remote(3), decode.fill.remote(4)])
     ray.get(decode.start_load.remote("dec-2", params(info, "pre-2", [[2, 3]]), [[8, 6]]))

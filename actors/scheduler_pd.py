@@ -1,0 +1,178 @@
+"""The PD half of the scheduler: what a disaggregated engine does beyond scheduling.
+
+A decode engine checks the `kv_transfer_params` it is given, starts the load of a granted
+prompt (the blocks it fills go into the skip set: docs/design.md §2), and applies the load's
+end: done, failed, or ended too late for its lease (docs/design.md §4, §6). A prefill engine
+hands a computed prompt over and holds its blocks until the decode side has read them or
+the lease ends. The connector's scheduler half (kv/nixl_scheduler.py) keeps the grants,
+loads and leases; this half keeps the requests and their blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from actors.messages import InvalidRequestError, ModelRunnerOutput, RequestOutput
+from actors.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from actors.deferred_free import DeferredFree
+    from kv.kv_cache_manager import KVCacheManager
+    from kv.nixl_scheduler import NixlSchedulerConnector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    role: Literal["prefill", "decode"]
+    engine_id: str
+    lease_s: float = 60.0
+    # Debug only: zero the blocks a remote load covers, as before the fix (docs/design.md §8, I6).
+    debug_zero_loaded_blocks: bool = False
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+class DisaggScheduling:
+    """Mixed into `Scheduler`, whose state it shares (declared here for the reader)."""
+
+    kv: KVCacheManager
+    freed: DeferredFree
+    disagg: DisaggConfig | None
+    connector: NixlSchedulerConnector | None
+    agent_name: str
+    loading: dict[str, Request]
+    loaded: deque[Request]
+    _held: dict[str, int]
+    _skip_zero_block_ids: set[int]
+    _outputs: list[RequestOutput]
+    num_failed_loads: int
+    num_expired_leases: int
+
+    def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
+        raise NotImplementedError
+
+    def _output(self, req: Request) -> RequestOutput:
+        raise NotImplementedError
+
+    def _check_transfer(self, req: Request) -> None:
+        """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
+        a stalled queue or a failed worker step."""
+        params = req.kv_transfer_params
+        assert params is not None
+        if self.connector is None:
+            raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
+        if params.num_tokens >= req.num_prompt_tokens:
+            raise InvalidRequestError(f"kv_transfer_params cover {params.num_tokens} tokens of a "
+                                      f"{req.num_prompt_tokens}-token prompt", param="kv_transfer_params")
+        if len(params.remote_block_ids) != len(self.kv.groups):
+            raise InvalidRequestError(f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
+                                      f"this model has {len(self.kv.groups)}", param="kv_transfer_params")
+        for group, manager, ids in zip(self.kv.groups, self.kv.managers, params.remote_block_ids):
+            need = manager.num_required_blocks(params.num_tokens)
+            if len(ids) != need:
+                raise InvalidRequestError(f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
+                                          f"{params.num_tokens} tokens, expected {need}", param="kv_transfer_params")
+
+    def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
+        """The fix (docs/design.md §2): the blocks this load fills stay out of the zero list."""
+        assert self.connector is not None and req.kv_transfer_params is not None
+        req.num_computed_tokens = hit
+        req.num_external_tokens = external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.last_step = step  # this step ships the load and the zero list touching its blocks
+        self.loading[req.req_id] = req
+        assert self.disagg is not None
+        if not self.disagg.debug_zero_loaded_blocks:
+            self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
+        self.connector.update_state_after_alloc(req.req_id, req.kv_transfer_params,
+                                                self.kv.get_block_ids(req.req_id), hit, external)
+
+    def _hand_over(self, req: Request) -> RequestOutput:
+        """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
+        assert self.connector is not None and self.disagg is not None
+        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.agent_name,
+                                                 self.kv.get_block_ids(req.req_id), req.num_prompt_tokens)
+        self._held[req.req_id] = req.last_step
+        self._finish(req, "length", keep_blocks=True)
+        out = self._output(req)
+        return dataclasses.replace(out, kv_transfer_params=params.to_dict())
+
+    def _transfers_ended(self, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Loads that landed or failed (decode side); blocks read or leases ended (prefill side)."""
+        assert self.connector is not None
+        outputs = []
+        for req_id in result.finished_recving:
+            outputs.extend(self._load_finished(req_id, None))
+        for req_id, bad in result.failed_loads.items():
+            outputs.extend(self._load_finished(req_id, bad))
+        for req_id in [*result.finished_sending, *self.connector.expired()]:
+            self._release_held(req_id)
+        return outputs
+
+    def _release_held(self, req_id: str) -> None:
+        """Prefill side: the decode side read (or abandoned) the blocks, or the lease ended."""
+        if self.connector is not None:
+            self.connector.release(req_id)
+        if req_id in self._held:
+            self.freed.release(req_id, self._held.pop(req_id))
+
+    def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> list[RequestOutput]:
+        req = self.loading.pop(req_id, None)
+        if req is None:
+            return []
+        if req.finished:  # aborted while its pages were being written: free them now
+            self.freed.release(req.req_id, req.last_step)
+            return []
+        req.load_done = True
+        req.status = RequestStatus.WAITING
+        assert req.kv_transfer_params is not None and self.connector is not None
+        why = None
+        if bad_blocks is not None:
+            why = f"KV transfer from the prefill engine failed for blocks {sorted(bad_blocks)}"
+        elif not self.connector.lease_ok(req.kv_transfer_params):
+            # The READ ended too close to the lease's end: the pages may have been reused.
+            self.num_expired_leases += 1
+            bad_blocks = self.kv.get_zeroing_block_ids_in_range(
+                req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens)
+            why = "its KV lease at the prefill engine expired during the load"
+        if why is None:
+            req.num_computed_tokens += req.num_external_tokens
+        else:
+            if not self._load_failed(req, why):
+                return []
+            valid = self._valid_prefix(req, set(bad_blocks or ()))
+            self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2 (docs/design.md §8): zeroed before recompute
+            req.num_computed_tokens = valid
+        self.loaded.append(req)
+        return []
+
+    def _load_failed(self, req: Request, why: str) -> bool:
+        """Apply the load-failure policy: True to recompute, False if the request failed."""
+        self.num_failed_loads += 1
+        assert self.disagg is not None
+        req.load_done = True
+        if self.disagg.load_failure_policy == "recompute":
+            log.info("request %s recomputes its prompt: %s", req.req_id, why)
+            return True
+        req.error = why
+        self._finish(req, "error")
+        self._outputs.append(self._output(req))
+        return False
+
+    def _valid_prefix(self, req: Request, bad: set[int]) -> int:
+        """Tokens still good after a partial load failure: up to the first invalid attention
+        block. A hybrid model keeps none: its Mamba state exists only at the prompt's end."""
+        if self.kv.zeroes_new_blocks:
+            return 0
+        end = req.num_computed_tokens + req.num_external_tokens
+        for group, ids in zip(self.kv.groups, self.kv.get_block_ids(req.req_id)):
+            if group.kind == "attention":
+                first_bad = next((i for i, b in enumerate(ids) if b in bad), len(ids))
+                end = min(end, first_bad * self.kv.block_size)
+        return end
+
