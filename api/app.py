@@ -30,8 +30,9 @@ from api.errors import (
 )
 from api.formats import ChatFormat, CompletionFormat, Format, usage_of
 from api.generation import Choice, Delta, start
+from api.limits import BodyLimit
 from api.metrics import Metrics
-from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
 from serve.config import Config
@@ -74,6 +75,12 @@ async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
         return [d async for d in ds]
 
 
+def _wrap_seed(seed: int) -> int:
+    """`seed` wrapped into the signed 64-bit range, so the seeds n choices derive from a valid
+    seed stay valid."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
+
+
 class _Server:
     """The state the routes share."""
 
@@ -94,26 +101,41 @@ class _Server:
         choices = []
         for p, prompt in enumerate(body.prompts()):
             ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self._check_length(ids, "prompt", max_tokens, "max_tokens")
             self.model.check_ids(ids)
             choices += [self._choice(p * n + i, ids, sampling, i) for i in range(n)]
         return choices
 
     def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
-        if not body.messages:
-            raise InvalidRequestError("messages must not be empty", param="messages")
         prompt = self.model.render_chat([m.as_template_input() for m in body.messages])
         ids = self.model.encode(prompt, special=False)  # the template placed any special tokens
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default for chat: whatever the context leaves
             max_tokens = max(1, self.model.max_model_len - len(ids))
+        self._check_length(ids, "messages", max_tokens, given)
         sampling = body.sampling(max_tokens, logprobs=bool(body.logprobs))
         return [self._choice(i, ids, sampling, i) for i in range(body.num_choices)]
+
+    def _check_length(self, ids: list[int], prompt_param: str, max_tokens: int, max_tokens_param: str) -> None:
+        """The engine checks the length again (and the cache size, which only it knows); checked
+        here first so the error names the field the client sent, an empty prompt never travels
+        through a prefill engine's hand-over, and a huge one is not shipped to the engines."""
+        limit = self.model.max_model_len
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)", param=prompt_param)
+        if len(ids) >= limit:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the model's context is {limit}, "
+                                      "and at least one is for the output", param=prompt_param)
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequestError(f"the prompt ({len(ids)} tokens) plus {max_tokens_param} ({max_tokens}) is "
+                                      f"beyond the model's context of {limit} tokens", param=max_tokens_param)
 
     @staticmethod
     def _choice(index: int, ids: list[int], sampling: SamplingParams, nth: int) -> Choice:
         # Choices of one prompt must differ yet stay reproducible: each gets its own seed.
         if nth and sampling.seed is not None:
-            sampling = replace(sampling, seed=sampling.seed + nth)
+            sampling = replace(sampling, seed=_wrap_seed(sampling.seed + nth))
         return Choice(index, ids, sampling, counts_prompt=nth == 0)
 
     async def run(self, request: Request, fmt: Format, choices: list[Choice], stream: bool,
@@ -190,6 +212,7 @@ def create_app(cfg: Config, router: Router, model: TextModel | None = None,
         await router.close()
 
     app = FastAPI(title="raypd", lifespan=lifespan)
+    app.add_middleware(BodyLimit)
     app.state.server = server
     install_error_handlers(app, server.on_error)
     v1 = APIRouter(prefix="/v1", dependencies=[_auth(cfg.api_key)] if cfg.api_key else [])

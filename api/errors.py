@@ -8,7 +8,7 @@ fields have the wrong type, and so does raypd. Nothing unexpected leaks a traceb
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,14 +76,26 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"Internal server error ({type(exc).__name__}).", type="server_error")
 
 
+def _most_specific(errors: Sequence[Any]) -> Any:
+    """The error to report. A value that fits no member of a union (a prompt is text, texts,
+    token ids or lists of them) gets one error per member; most say only "not of my type".
+    The member whose error is about the value itself (a negative token id, a fifth stop
+    string) is the one the client meant."""
+    return next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"The request body is not valid JSON: {first.get('msg')}.")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # `param` names the request field; the message gives the full path (into lists and unions).
+    errors = exc.errors()
+    if errors[0].get("type") == "json_invalid":
+        return APIError(400, f"The request body is not valid JSON: {errors[0].get('msg')}.")
+    error = _most_specific(errors)
+    # The path without "body" and without pydantic's names of union members
+    # ("list[int]", "function-after[...]"): fields and list indices, as the client wrote them.
+    loc = [str(part) for part in error.get("loc", ())
+           if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
+    # `param` names the request field; the message gives the path into lists and objects.
     where = ".".join(loc)
-    return APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
+    return APIError(400, f"{where}: {error.get('msg')}" if where else str(error.get("msg")),
                     param=loc[0] if loc else None)
 
 

@@ -1,9 +1,14 @@
 """OpenAI's protocol as pydantic models: the requests raypd reads and the responses it writes.
 
 Unknown request fields are ignored, as OpenAI's server does, so clients that send newer or
-vendor fields still work. Range checks that the engine also makes live in
-`SamplingParams.validate`; this module checks only what the engine never sees (`n`, the
-shape of the prompt and of the messages).
+vendor fields still work. Every known field carries its real bounds in the schema, so
+`/openapi.json` states them and a bad value is a 400 naming the field before any work is
+done. The sampling bounds are the ones `SamplingParams.validate` (which the engine runs again
+at admission) and the sampler accept; what depends on the model (a token id below the
+vocabulary size, prompt plus `max_tokens` within the context) is checked where the model is known.
+
+Requests are validated strictly: a boolean is `true` or `false`, a number is a JSON number,
+never a string, and `true` is not a token id.
 """
 
 from __future__ import annotations
@@ -11,19 +16,40 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from actors.messages import InvalidRequestError, SamplingParams
+from actors.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
 
 MAX_N = 16  # choices per request; each choice is one engine request
+MAX_PROMPTS = 64  # prompts in one completion request, each run n times
+MAX_CHOICES = 128  # prompts x n: engine requests a response waits on, all of them queued at once
+MAX_STOP = 4  # stop strings, as OpenAI allows
+MAX_STOP_CHARS = 256  # the engine decodes this many tokens' text after each step to find one
+MAX_TEXT_CHARS = 2**20  # a prompt or a message; far beyond any context, so only a bound on work
+MAX_NAME_CHARS = 256  # model, user and message names
+MAX_MESSAGES = 4096  # messages in a chat, and content parts in one message
+MAX_LOGPROBS = 5  # /v1/completions, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions, as OpenAI allows
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes as a signed seed
 
+
+# Every string has a length bound, and pydantic checks a bounded string for valid unicode
+# (error `string_unicode`): JSON can carry lone surrogates ("\ud800"), which no tokenizer
+# and no UTF-8 response can hold.
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+MaxTokens = Annotated[int, Field(ge=1)]  # its upper bound, the context less the prompt, is checked once tokenized
+Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 
 def _unix_now() -> int:
     return int(time.time())
 
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -34,25 +60,30 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions. None means "the default", because
     some clients send explicit nulls."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension; -1 or 0 disables it
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
+    model: Name | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # vLLM's extension; -1 or 0 disables it
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension, for benchmarks that need fixed lengths
-    user: str | None = None  # accepted and ignored
+    user: Name | None = None  # accepted and ignored
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI: options for a stream that will not happen are a client's mistake.
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @property
     def num_choices(self) -> int:
-        n = 1 if self.n is None else self.n
-        if not 1 <= n <= MAX_N:
-            raise InvalidRequestError(f"n={n} must be in 1..{MAX_N}", param="n")
-        return n
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
@@ -72,28 +103,29 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize, or token ids as given."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]  # type: ignore[list-item]
-        if not p:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return list(p)  # type: ignore[arg-type]
+        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if len(prompts) * self.num_choices > MAX_CHOICES:
+            raise InvalidRequestError(f"{len(prompts)} prompts with n={self.num_choices} are more than "
+                                      f"{MAX_CHOICES} choices", param="n")
+        return prompts  # type: ignore[return-value]
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
@@ -103,10 +135,10 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # -- responses ------------------------------------------------------------------------

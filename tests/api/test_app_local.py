@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.build import build_local_engine
 from actors.messages import EngineOverloadedError, EngineStats, RequestOutput
 from api import Engine, RoundRobinRouter, create_app
+from api.limits import MAX_BODY_BYTES
 from serve.config import Config
 
 KEY = "sk-local"
@@ -199,6 +200,35 @@ def test_more_invalid_values(checkpoint, body, param):
     r = run(config(checkpoint), fn)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_body_beyond_the_limit_is_413_before_it_is_read_whole(checkpoint):
+    """By its Content-Length, or, sent in chunks without one, once the chunks pass the bound;
+    a body just within the bound reaches validation."""
+    chunk = b" " * 2**20
+
+    def chunks(n: int):
+        async def gen():
+            yield b'{"prompt": "t1", "max_tokens": 2'
+            for _ in range(n):
+                yield chunk
+            yield b"}"
+        return gen()
+
+    async def fn(c):
+        declared = await c.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                                headers={"Content-Type": "application/json"})
+        streamed = await c.post("/v1/completions", content=chunks(MAX_BODY_BYTES // len(chunk)),
+                                headers={"Content-Type": "application/json"})
+        within = await c.post("/v1/completions", content=chunks(MAX_BODY_BYTES // len(chunk) - 1),
+                              headers={"Content-Type": "application/json"})
+        return declared, streamed, within
+
+    declared, streamed, within = run(config(checkpoint), fn)
+    for r in (declared, streamed):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert within.status_code == 200 and within.json()["usage"]["completion_tokens"] == 2, within.text
 
 
 def test_chat_uses_the_models_template(checkpoint, tmp_path):
