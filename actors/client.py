@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ class EngineClient:
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, req_id: str | None = None,
                        kv_transfer_params: dict[str, Any] | None = None,
-                       do_remote_decode: bool = False) -> AsyncIterator[RequestOutput]:
+                       do_remote_decode: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until one carries a finish reason. Leaving the
         iteration early (a client went away) aborts the request so its blocks are freed.
         The last two arguments are the disaggregation hand-over (see EngineCore.add_request)."""
@@ -118,8 +118,8 @@ class EngineClient:
                 outputs = await self.calls.get_outputs(_POLL_TIMEOUT_S)
             except Exception as e:  # the engine is gone: end every stream with an error
                 log.exception("engine poll failed")
-                for req_id, q in list(self._queues.items()):
-                    q.put_nowait(RequestOutput(req_id, [], None, "error", error=f"engine unreachable: {e!r}"))
+                for req_id, queue in list(self._queues.items()):
+                    queue.put_nowait(RequestOutput(req_id, [], None, "error", error=f"engine unreachable: {e!r}"))
                 return
             for out in outputs:
                 q = self._queues.get(out.req_id)

@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -70,7 +70,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
+async def _collect(deltas: AsyncGenerator[Delta, None]) -> list[Delta]:
     async with aclosing(deltas) as ds:
         return [d async for d in ds]
 
@@ -156,8 +156,8 @@ class _Server:
             return Response(status_code=499)  # nobody is listening any more
         return _json(fmt.response(collected))
 
-    async def _events(self, endpoint: str, fmt: Format, deltas: AsyncIterator[Delta], num_choices: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, endpoint: str, fmt: Format, deltas: AsyncGenerator[Delta, None], num_choices: int,
+                      include_usage: bool) -> AsyncGenerator[str, None]:
         """Server-sent events; a client that goes away closes this generator, which aborts its requests."""
         outcome, error = "aborted", None
         finals: list[Delta] = []
@@ -203,7 +203,7 @@ def create_app(cfg: Config, router: Router, model: TextModel | None = None,
     server = _Server(cfg, router, model or TextModel.load(cfg.model, cfg.max_model_len))
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         task = asyncio.ensure_future(background()) if background is not None else None
         yield
         if task is not None:

@@ -115,7 +115,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return respond(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+        return respond(request, APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}) or None))
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)

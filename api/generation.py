@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -46,7 +46,7 @@ class Delta:
 
 
 class ChoiceStream:
-    def __init__(self, outputs: AsyncIterator[RequestOutput], choice: Choice, model: TextModel,
+    def __init__(self, outputs: AsyncGenerator[RequestOutput, None], choice: Choice, model: TextModel,
                  metrics: Metrics, arrival: float) -> None:
         self._outputs = outputs
         self._choice = choice
@@ -64,7 +64,7 @@ class ChoiceStream:
         """Abort the engine request of a choice whose deltas were never read."""
         await self._outputs.aclose()
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         out = self._last
         try:
             while out is not None:
@@ -98,7 +98,7 @@ class ChoiceStream:
 
 
 async def start(router: Router, model: TextModel, metrics: Metrics, choices: list[Choice],
-                req_id: str) -> AsyncIterator[Delta]:
+                req_id: str) -> AsyncGenerator[Delta, None]:
     """Submit every choice; return their merged deltas once each has its first output, or raise
     what the engine refused (after aborting the choices it accepted)."""
     arrival = time.monotonic()
@@ -113,7 +113,7 @@ async def start(router: Router, model: TextModel, metrics: Metrics, choices: lis
     return merge([s.deltas() for s in streams])
 
 
-async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+async def merge(streams: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
     """Deltas of all streams as they come; closing this closes every stream."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:
@@ -122,7 +122,7 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
         return
     queue: asyncio.Queue[Delta | Exception | None] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[Delta]) -> None:
+    async def pump(stream: AsyncGenerator[Delta, None]) -> None:
         try:
             async with aclosing(stream) as s:
                 async for delta in s:

@@ -14,7 +14,7 @@ never a string, and `true` is not a token id.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -110,11 +110,11 @@ class CompletionRequest(_SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize, or token ids as given."""
         p = self.prompt
-        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        prompts = cast("list[str | list[int]]", [p] if isinstance(p, str) or isinstance(p[0], int) else p)
         if len(prompts) * self.num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"{len(prompts)} prompts with n={self.num_choices} are more than "
                                       f"{MAX_CHOICES} choices", param="n")
-        return prompts  # type: ignore[return-value]
+        return list(prompts)
 
 
 class TextPart(_Request):

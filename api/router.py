@@ -8,7 +8,7 @@ import asyncio
 import itertools
 from contextlib import aclosing
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ class Router(ABC):
         self.engines = list(engines)
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs until one carries a finish reason; leaving early aborts it."""
 
     async def stats(self, timeout_s: float) -> dict[str, EngineStats]:
@@ -86,7 +86,7 @@ class RoundRobinRouter(Router):
         super().__init__(engines)
         self._turn = itertools.cycle(self.engines)
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncGenerator[RequestOutput, None]:
         return next(self._turn).client.generate(prompt_ids, sampling, req_id)
 
 
@@ -103,7 +103,7 @@ class PDRouter(Router):
         self._decode = itertools.cycle(decode)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       req_id: str) -> AsyncIterator[RequestOutput]:
+                       req_id: str) -> AsyncGenerator[RequestOutput, None]:
         prefill = next(self._prefill).client
         handed_over: RequestOutput | None = None
         async for out in prefill.generate(prompt_ids, sampling, req_id, do_remote_decode=True):

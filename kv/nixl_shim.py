@@ -20,7 +20,7 @@ def _load() -> ModuleType:
         import nixl_cu12._api as api
     except ImportError:
         try:
-            import nixl._api as api
+            import nixl._api as api  # type: ignore[no-redef]
         except ImportError as e:
             raise ImportError(
                 "NIXL is not installed: neither `nixl_cu12` (pip install nixl-cu12) nor `nixl` "
