@@ -3,7 +3,7 @@
     python -m bench.accuracy --mode local [--model models/tiny-hybrid] [--limit N] [--zero-kv-after-prefill]
     python -m bench.accuracy --mode colocated|pd [any `python -m serve` flag, e.g. --worker-threads 1]
 
-`local` runs the model in this process (models.generate); `colocated` and `pd` run the real
+`local` runs the model in this process (actors.reference); `colocated` and `pd` run the real
 engines as Ray actors on a local cluster (pd: prefill and decode engines moving KV over
 NIXL, routed as the API server routes), configured by the same flags as `python -m serve`.
 
@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from actors.messages import SamplingParams
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
-from models.generate import greedy_generate
+from actors.reference import greedy_generate
 from models.loader import load_config, load_generation_config, load_model
 from serve.engines import NAMESPACE, start_engines
 from serve.config import Config

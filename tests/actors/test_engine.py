@@ -12,7 +12,7 @@ import torch
 from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
 from actors.messages import SamplingParams
-from models.generate import greedy_generate
+from actors.reference import greedy_generate
 from models.loader import load_model
 from serve.config import Config
 from tests.models.hf_fixtures import save_hf_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.scheduler import Scheduler
-from models.generate import greedy_generate
+from actors.reference import greedy_generate
 from models.loader import load_model
 from serve.config import Config
 from tests.actors.test_engine import run_local

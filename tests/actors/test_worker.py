@@ -18,7 +18,7 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.worker import Worker, WorkerConfig
-from models.generate import greedy_generate
+from actors.reference import greedy_generate
 from tests.models.hf_fixtures import save_hf_model
 
 BLOCK = 4

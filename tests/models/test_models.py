@@ -7,7 +7,7 @@ import torch
 
 from kv.cache_layout import allocate_caches, plan_layout
 from models.batch import SeqChunk, build_forward_batch
-from models.generate import greedy_generate
+from actors.reference import greedy_generate
 from models.loader import load_model
 
 torch.manual_seed(0)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch, cdiv
+from kv.kv_cache_manager import KVCacheManager
+from models.batch import SeqChunk, build_forward_batch
 
 
 @torch.inference_mode()
@@ -34,22 +35,17 @@ def greedy_generate(
     cfg = model.config
     weight = next(model.parameters())
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    per_req = cdiv(max_len, block_size)
     layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=1)
-    need = sum(per_req if g.kind == "attention" else 1 for g in layout.groups) * len(prompts)
+    blocks = KVCacheManager(layout.groups, 1, block_size, enable_prefix_caching=False)
+    need = sum(m.num_required_blocks(max_len) for m in blocks.managers) * len(prompts)
     layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=need)
     buffers, caches = allocate_caches(layout, cfg, weight.device)
-
-    next_id = 0
-    block_ids: list[list[list[int]]] = [[] for _ in prompts]
-    attn_ids: list[int] = []
-    for g in layout.groups:
-        count = per_req if g.kind == "attention" else 1
-        for ids in block_ids:
-            ids.append(list(range(next_id, next_id + count)))
-            if g.kind == "attention":
-                attn_ids.extend(ids[-1])
-            next_id += count
+    blocks = KVCacheManager(layout.groups, need, block_size, enable_prefix_caching=False)
+    block_ids: list[list[list[int]]] = []
+    for r in range(len(prompts)):
+        blocks.allocate_slots(str(r), max_len)
+        block_ids.append([list(ids) for ids in blocks.get_block_ids(str(r))])
+    attn_ids = list(blocks.take_blocks_to_zero())
 
     def zero_attention() -> None:
         for buf in buffers:
