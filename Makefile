@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test model accuracy serve clean
+.PHONY: setup test test-sim-long model accuracy serve clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The randomized content-tracking suite's long run: 120 more seeds per workload shape.
+test-sim-long: setup
+	$(PY) -m pytest -q -m sim_long tests/sim
 
 model: setup
 	$(PY) -m models.train_tiny --out models/tiny-hybrid

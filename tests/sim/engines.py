@@ -1,0 +1,85 @@
+"""The real engine, scheduler and KV manager, each driving one simulated worker.
+
+Built as actors/build.py builds them, with the simulated worker's `StepExecutor` and the
+connector's lease clock on the loop's virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from actors.client import EngineCalls, EngineClient
+from actors.engine import EngineCore
+from actors.request import Request
+from actors.scheduler import Scheduler, SchedulerConfig
+from actors.scheduler_pd import DisaggConfig
+from actors.stop import StopChecker
+from kv.kv_cache_manager import KVCacheManager
+from tests.sim.content import Provenance
+from tests.sim.fabric import Fabric
+from tests.sim.sim_worker import SimWorker
+from tests.sim.workload import BLOCK_SIZE, EOS, MAX_MODEL_LEN, Shape
+
+Role = Literal["colocated", "prefill", "decode"]
+
+
+@dataclass(slots=True)
+class SimEngine:
+    name: str
+    core: EngineCore
+    worker: SimWorker
+    client: EngineClient
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    def progress_key(self) -> tuple[int, ...]:
+        """Changes whenever the engine does something other than poll."""
+        s = self.scheduler
+        return (s.kv.num_free_blocks, len(s.waiting), len(s.running), len(s.loading), s.num_held,
+                self.worker.steps_run if s.running else 0)
+
+    def is_idle(self) -> bool:
+        return not self.scheduler.has_work() and not self.core._in_flight
+
+    def leaks(self) -> bool:
+        return self.scheduler.kv.num_free_blocks != self.scheduler.kv.num_blocks
+
+    def dump(self) -> str:
+        """The scheduler's queues, for a HANG or LEAK report."""
+        s = self.scheduler
+
+        def req(r: Request) -> str:
+            blocks = sum(len(b) for b in s.kv.get_block_ids(r.req_id))
+            return f"{r.req_id}({r.status.value}, computed {r.num_computed_tokens}/{r.num_tokens}, {blocks} blocks)"
+
+        owners = {rid: sum(len(b) for b in s.kv.get_block_ids(rid)) for rid in s.kv.managers[0].req_to_blocks}
+        return (f"{self.name}: free {s.kv.num_free_blocks}/{s.kv.num_blocks}, "
+                f"waiting [{', '.join(map(req, s.waiting))}], running [{', '.join(map(req, s.running))}], "
+                f"loading {sorted(s.loading)}, held {s.num_held}, block owners {owners}, "
+                f"failure {self.core._failure!r}")
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.core.close()
+        await self.worker.close()
+
+
+def build_engine(shape: Shape, role: Role, name: str, num_blocks: int, prov: Provenance, seed: int,
+                 fabric: Fabric | None, debug_zero_loaded_blocks: bool = False) -> SimEngine:
+    rng = random.Random(f"{shape.name}/{seed}/{name}/stream")
+    worker = SimWorker(name, shape.groups, num_blocks, BLOCK_SIZE, prov, rng, shape.lag_s,
+                       fabric if role != "colocated" else None)
+    kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching)
+    cfg = SchedulerConfig(shape.max_batched_tokens, shape.max_num_seqs, MAX_MODEL_LEN)
+    disagg = (None if role == "colocated" else
+              DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, worker.agent_name))
+    scheduler = Scheduler(cfg, kv, StopChecker(None, MAX_MODEL_LEN), disagg)
+    if scheduler.connector is not None:
+        scheduler.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds
+    core = EngineCore(scheduler, [worker.executor()], shape.async_scheduling, eos_token_id=EOS)
+    return SimEngine(name, core, worker, EngineClient(EngineCalls.local(core)))
