@@ -26,6 +26,7 @@ from actors.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from actors.phases import RequestPhases
 from actors.request import Request
 from actors.scheduler import Scheduler
 from kv.transfer_params import KVTransferParams
@@ -57,6 +58,7 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[list[ModelRunnerOutput]]]] = deque()
         self._failure: BaseException | None = None
         self.num_steps = 0
+        self.phases = RequestPhases()
 
     # -- client side ------------------------------------------------------------------
 
@@ -87,6 +89,7 @@ class EngineCore:
                     return
             self.scheduler.add_request(Request(req_id, prompt, sampling, self.eos_token_id,
                                                kv_transfer_params=params, do_remote_decode=do_remote_decode))
+            self.phases.arrived(req_id)
         except (InvalidRequestError, EngineOverloadedError) as e:
             duplicate = getattr(e, "param", None) == "request_id"  # the live request's KV is not ours to drop
             if params is not None and self.scheduler.connector is not None and not duplicate:
@@ -130,7 +133,7 @@ class EngineCore:
                            s.blocks_zeroed, s.blocks_skipped,
                            {"steps": self.num_steps, "preemptions": s.num_preemptions, "loading": len(s.loading),
                             "held_for_decode": s.num_held, "failed_loads": s.num_failed_loads,
-                            "expired_leases": s.num_expired_leases})
+                            "expired_leases": s.num_expired_leases, "phases": self.phases.snapshot()})
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""
@@ -149,6 +152,7 @@ class EngineCore:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if outputs:
+            self.phases.outputs(outputs)
             self._outputs.extend(outputs)
             self._has_outputs.set()
 
@@ -175,6 +179,7 @@ class EngineCore:
                 out = self.scheduler.schedule()
                 self._publish(self.scheduler.take_outputs())
                 if out is not None:
+                    self.phases.scheduled(out.num_scheduled_tokens)
                     flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
                     continue
             if flight:

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.build import Role, disagg_config, make_engine, worker_config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
@@ -20,15 +21,20 @@ from serve.config import Config
 
 
 class SchedulerActor:
-    def __init__(self, config: dict[str, Any], role: Role = "colocated", engine_id: str = "engine-0") -> None:
+    def __init__(self, config: dict[str, Any], role: Role = "colocated", engine_id: str = "engine-0",
+                 worker_options: dict[str, Any] | None = None) -> None:
+        """`worker_options` are the worker actor's `.options(...)` (serve/placement.py). The worker
+        prefers this actor's node, since they talk every step; Ray places it elsewhere if this node
+        lacks what it asks for (a GPU)."""
         self.config = Config.from_dict(config)
         self.role = role
         self.engine_id = engine_id
         # Unique per incarnation: a replaced engine's agent must not be confused with the old one.
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}" if role != "colocated" else ""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.workers = [
-            RemoteWorker.remote(worker_config(self.config, role, engine_id, agent_name),
-                                num_threads=self.config.worker_threads)
+            RemoteWorker.options(scheduling_strategy=here, **(worker_options or {})).remote(
+                worker_config(self.config, role, engine_id, agent_name), num_threads=self.config.worker_threads)
         ]
         layout = ray.get(self.workers[0].layout.remote())
         disagg = disagg_config(self.config, role, engine_id, agent_name)
@@ -59,7 +65,11 @@ class SchedulerActor:
         await asyncio.gather(*(w.inject_faults.remote(num_steps) for w in self.workers))
 
     async def stats(self) -> EngineStats:
-        return self.core.stats()
+        """The engine's stats with its workers' KV-transfer counters (`extra["kv_transfer"]`)."""
+        stats = self.core.stats()
+        transfers = await asyncio.gather(*(w.transfer_stats.remote() for w in self.workers))
+        stats.extra["kv_transfer"] = [t for t in transfers if t is not None]
+        return stats
 
     async def wait_idle(self) -> EngineStats:
         await self.core.wait_idle()

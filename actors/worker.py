@@ -32,6 +32,7 @@ from actors.messages import (
 from actors.sampler import Sampler
 from kv.cache_layout import CacheLayout, allocate_caches, plan_layout
 from kv.nixl_worker import NixlWorkerConnector
+from kv.transfer_stats import TransferStats
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_model
@@ -141,6 +142,10 @@ class Worker:
         done = self.connector.get_finished()
         return dataclasses.replace(result, finished_sending=sorted(done.done_sending),
                                    finished_recving=sorted(done.done_recving), failed_loads=done.failed)
+
+    def transfer_stats(self) -> TransferStats | None:
+        """The connector's KV-load counters; None for a colocated worker."""
+        return None if self.connector is None else self.connector.transfer_stats()
 
     def execute_model_sync(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model(out).result()

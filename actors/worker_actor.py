@@ -20,6 +20,7 @@ from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker import Worker, WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.nixl_worker import PeerInfo
+from kv.transfer_stats import TransferStats
 
 # Room for two steps (one running, one queued behind it) plus control calls and a step that
 # arrived early and waits for its predecessor.
@@ -71,6 +72,9 @@ class WorkerActor:
         if self._worker.connector is None:
             raise RuntimeError("a colocated worker has no NIXL agent")
         self._worker.connector.add_peer(info)
+
+    def transfer_stats(self) -> TransferStats | None:
+        return self._worker.transfer_stats()
 
     def inject_faults(self, num_steps: int) -> None:
         self._worker.inject_faults(num_steps)

@@ -12,11 +12,13 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from actors.messages import EngineStats
+from actors.phases import PHASES
 from api.router import Router
+from kv import transfer_stats
 
 STATS_TIMEOUT_S = 1.0
 OUTCOMES = ("success", "rejected", "overloaded", "aborted", "error")
@@ -52,6 +54,49 @@ class _EngineCollector(Collector):
             for engine, stats in self.snapshot.items():
                 metric.add_metric([engine], value(stats))
             yield metric
+        yield from self._kv_transfers()
+        yield from self._phases()
+
+    def _kv_transfers(self) -> Iterator[Metric]:
+        """The NIXL connector's loads, summed over an engine's workers (decode engines load)."""
+        seconds = HistogramMetricFamily("raypd_kv_transfer_seconds", "Time of a KV load from posting the "
+                                        "NIXL READ to its completion.", labels=["engine"])
+        counters = (
+            ("raypd_kv_transfer_bytes", "Bytes moved by completed KV loads.", lambda t: t.bytes),
+            ("raypd_kv_transfer_descriptors", "Pages (NIXL descriptors) moved by completed KV loads.",
+             lambda t: t.descriptors),
+            ("raypd_kv_transfer_failed", "KV loads that left blocks unread.", lambda t: t.failed),
+        )
+        families = [(CounterMetricFamily(name, doc, labels=["engine"]), value) for name, doc, value in counters]
+        expired = CounterMetricFamily("raypd_kv_lease_expired", "KV loads given up because the prefill "
+                                      "engine's lease on the KV ran out first.", labels=["engine"])
+        for engine, stats in self.snapshot.items():
+            transfers: list[transfer_stats.TransferStats] = stats.extra.get("kv_transfer", [])
+            if transfers:
+                _add_histogram(seconds, engine, [t.seconds for t in transfers])
+                for family, value in families:
+                    family.add_metric([engine], sum(value(t) for t in transfers))
+            expired.add_metric([engine], stats.extra.get("expired_leases", 0))
+        yield seconds
+        yield from (family for family, _ in families)
+        yield expired
+
+    def _phases(self) -> Iterator[Metric]:
+        """Where requests spent their time inside each engine (actors/phases.py)."""
+        for phase in PHASES:
+            family = HistogramMetricFamily(f"raypd_request_{phase}_time_seconds",
+                                           f"Time requests spent in the {phase} phase in an engine.",
+                                           labels=["engine"])
+            for engine, stats in self.snapshot.items():
+                if (histogram := stats.extra.get("phases", {}).get(phase)) is not None:
+                    _add_histogram(family, engine, [histogram])
+            yield family
+
+
+def _add_histogram(family: HistogramMetricFamily, engine: str, parts: list[transfer_stats.Histogram]) -> None:
+    """One labelled histogram from same-bucket parts (an engine's workers)."""
+    buckets = [(bound, sum(p.cumulative()[i][1] for p in parts)) for i, (bound, _) in enumerate(parts[0].cumulative())]
+    family.add_metric([engine], buckets, sum(p.total for p in parts))
 
 
 class Metrics:

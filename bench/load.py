@@ -1,13 +1,15 @@
-"""Load generator and report: the real server (Ray Serve, HTTP) under concurrent streaming
-completions, for several engine layouts in one run, reported as ratios to the first layout.
+"""Load test and report: streaming completions against the real HTTP server, reported in
+`vllm bench serve` terms, with the server's own prefill/decode breakdown from `/metrics`.
 
-    python -m bench.load [--layouts 0x1,1x1] [--requests 200] [--concurrency 32] [--max-tokens 32]
-                         [any `python -m serve` flag, e.g. --worker-threads 1]
+    python -m bench.load --url http://HOST:8000 [--requests 500] [--concurrency 32] [--out PREFIX]
+    python -m bench.load [--layouts 0x1,1x1] [--requests 200] [any `python -m serve` flag]
 
-A layout `PxD` is P prefill and D decode engines (`0xD`: D colocated engines). Prompts are
-the shipped model's eval prompts; every request streams exactly `--max-tokens` tokens
-(`ignore_eos`), so the layouts do the same work. Client-side timings: time to first token,
-inter-token latency, end-to-end latency, and output tokens per second over the whole run.
+With `--url` it drives a running server (a cluster deployment, a `ray job submit` job). Without,
+it starts each layout `PxD` (P prefill and D decode engines; `0xD`: D colocated engines) on a
+local cluster in turn and compares them as ratios to the first. Prompts are the model's eval
+prompts (`--model DIR`/eval.jsonl); every request streams exactly `--max-tokens` tokens
+(`ignore_eos`), so layouts do the same work. Writes PREFIX.json (every number) and PREFIX.png
+(latency CDFs, throughput over time) and prints one line per run.
 """
 
 from __future__ import annotations
@@ -17,24 +19,23 @@ import asyncio
 import dataclasses
 import json
 import socket
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+from tqdm import tqdm
 
+from bench.client import LoadSpec, Sample, run_load, warm_up
+from bench.plot import plot_runs
+from bench.server_metrics import breakdown, wait_idle
+from bench.stats import Slo, summarize
 from serve import launch
 from serve.config import Config
 from serve.config import parse_args as parse_serve_args
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Sample:
-    ttft: float
-    itls: list[float]
-    e2e: float
-    tokens: int
+IDLE_TIMEOUT_S = 60.0
 
 
 def _free_port() -> int:
@@ -43,51 +44,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                stamps.append(time.perf_counter())
-    if not stamps:
-        raise RuntimeError("a request streamed no text")
-    return Sample(stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], stamps[-1] - start, tokens)
+def _served_model(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = httpx.get(url + "/v1/models", headers=headers, timeout=10).raise_for_status().json()["data"]
+    return models[0]["id"]
 
 
-async def _drive(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[Sample], float]:
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        async def gated(p: str) -> Sample:
-            async with gate:
-                return await _one(client, model, p, max_tokens)
-
-        await _one(client, model, prompts[0], 2)  # warm-up: first-call costs stay out of the numbers
-        start = time.perf_counter()
-        samples = await asyncio.gather(*(gated(p) for p in prompts))
-        return list(samples), time.perf_counter() - start
-
-
-def _p(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+def measure(url: str, spec: LoadSpec, slo: Slo, label: str) -> tuple[dict[str, Any], list[Sample], float]:
+    """One run against `url`: the client's summary plus the server's per-engine breakdown."""
+    warm = asyncio.run(warm_up(url, spec))
+    if not warm.ok:
+        raise RuntimeError(f"the server at {url} failed a first request ({warm.error})")
+    before = wait_idle(url, spec.api_key, IDLE_TIMEOUT_S)
+    with tqdm(total=len(spec.prompts), desc=label, unit="req", file=sys.stderr, leave=False) as bar:
+        samples, wall = asyncio.run(run_load(url, spec, lambda s: bar.update()))
+    after = wait_idle(url, spec.api_key, IDLE_TIMEOUT_S)
+    report = {"label": label, **summarize(samples, wall, slo, len(spec.prompts)),
+              "server": breakdown(before, after)}
+    return report, samples, wall
 
 
-def _report(layout: str, samples: list[Sample], wall: float) -> dict[str, float | str]:
-    ttft = [s.ttft for s in samples]
-    itl = [x for s in samples for x in s.itls]
-    e2e = [s.e2e for s in samples]
-    return {"layout": layout, "requests": len(samples), "output_tok_per_s": sum(s.tokens for s in samples) / wall,
-            "ttft_p50_ms": 1e3 * _p(ttft, 50), "ttft_p99_ms": 1e3 * _p(ttft, 99),
-            "itl_p50_ms": 1e3 * _p(itl, 50), "itl_p99_ms": 1e3 * _p(itl, 99), "e2e_p50_ms": 1e3 * _p(e2e, 50)}
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['label']:>8}  {r['completed']}/{r['num_prompts']} ok, {r['failed']} failed  "
+            f"{r['request_throughput']:6.2f} req/s  {r['output_throughput']:8.1f} tok/s  "
+            f"goodput {r['request_goodput']:6.2f} req/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms  "
+            f"TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p99 {r['p99_itl_ms']:7.1f} ms")
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -100,12 +81,12 @@ def _layout(text: str) -> tuple[int, int]:
     return p, d
 
 
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _at_least(low: float, kind: Callable[[str], float] = int) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below the minimum of {low}")
         return value
@@ -114,40 +95,74 @@ def _at_least(low: int) -> Callable[[str], int]:
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Load generator: colocated vs disaggregated layouts through the HTTP server."
+    parser.description = "Load test of the OpenAI-compatible endpoint, reported in `vllm bench serve` terms."
+    parser.add_argument("--url", help="drive this running server instead of starting layouts locally")
     parser.add_argument("--layouts", type=lambda s: [_layout(x) for x in s.split(",")], default=[(0, 1), (1, 1)],
-                        help="comma-separated PxD layouts; ratios are against the first (default 0x1,1x1)")
+                        help="without --url: comma-separated PxD layouts; ratios are against the first "
+                             "(default 0x1,1x1)")
     parser.add_argument("--requests", type=_at_least(1), default=200)
     parser.add_argument("--concurrency", type=_at_least(1), default=32)
     parser.add_argument("--max-tokens", type=_at_least(2), default=32, help="at least 2, to time a token gap")
+    parser.add_argument("--goodput-ttft-ms", type=_at_least(0, float), default=2000.0)
+    parser.add_argument("--goodput-tpot-ms", type=_at_least(0, float), default=100.0)
+    parser.add_argument("--max-duration-s", type=_at_least(1, float), default=1800.0,
+                        help="no request starts after this many seconds of a run")
+    parser.add_argument("--request-timeout-s", type=_at_least(1, float), default=300.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/load"),
+                        help="writes OUT.json and OUT.png (default bench/results/load)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except (httpx.HTTPError, RuntimeError) as e:  # a server that is not there, or not well
+        print(f"bench.load: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_serve_args(argv, extra=_flags)
     base: Config = args.config
     lines = (Path(base.model) / "eval.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
-    rows = []
-    for prefill, decode in args.layouts:
-        cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=_free_port())
-        dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-        try:
-            samples, wall = asyncio.run(_drive(dep.url, cfg.model_name, prompts, args.concurrency, args.max_tokens))
-        finally:
-            launch.stop(dep)
-        rows.append(_report(f"{prefill}x{decode}", samples, wall))
-    first = rows[0]
-    for row in rows:
-        row["throughput_ratio"] = row["output_tok_per_s"] / first["output_tok_per_s"]
-        row["ttft_p50_ratio"] = row["ttft_p50_ms"] / first["ttft_p50_ms"]
-        row["itl_p50_ratio"] = row["itl_p50_ms"] / first["itl_p50_ms"]
-        print(f"{row['layout']:>5}  {row['output_tok_per_s']:8.1f} tok/s (x{row['throughput_ratio']:.2f})  "
-              f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms (x{row['ttft_p50_ratio']:.2f})  "
-              f"ITL p50 {row['itl_p50_ms']:6.1f} ms (x{row['itl_p50_ratio']:.2f})  p99 {row['itl_p99_ms']:6.1f} ms")
-    print(json.dumps({"bench": "load", "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                      "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}))
+    slo = Slo(args.goodput_ttft_ms, args.goodput_tpot_ms)
+
+    def spec(model: str) -> LoadSpec:
+        return LoadSpec(model, prompts, args.max_tokens, args.concurrency, args.max_duration_s,
+                        args.request_timeout_s, base.api_key)
+
+    runs, reports = [], []
+    if args.url:
+        url = args.url.rstrip("/")
+        report, samples, wall = measure(url, spec(_served_model(url, base.api_key)), slo, "server")
+        reports.append(report)
+        runs.append(("server", samples, wall))
+    else:
+        for prefill, decode in args.layouts:
+            cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=_free_port())
+            dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
+            try:
+                report, samples, wall = measure(dep.url, spec(cfg.model_name), slo, f"{prefill}x{decode}")
+            finally:
+                launch.stop(dep)
+            reports.append(report)
+            runs.append((report["label"], samples, wall))
+        first = reports[0]
+        for r in reports:
+            r["output_throughput_ratio"] = r["output_throughput"] / first["output_throughput"]
+            r["median_ttft_ratio"] = r["median_ttft_ms"] / first["median_ttft_ms"]
+            r["median_itl_ratio"] = r["median_itl_ms"] / first["median_itl_ms"]
+    for r in reports:
+        print(_line(r), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"bench": "load", "requests": args.requests, "concurrency": args.concurrency,
+              "max_tokens": args.max_tokens, "runs": reports}
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot_runs(runs, args.out.with_suffix(".png"))
+    print(f"report: {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}", flush=True)
+    return 0 if all(r["failed"] == 0 for r in reports) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

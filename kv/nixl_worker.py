@@ -33,6 +33,10 @@ blocks, notifying as usual; the rest keep their old bytes and are reported in `f
 as a transfer that broke off would leave them. A one-block group (a Mamba state) is not
 read at all; if nothing is read, no transfer is posted and the notification goes alone.
 
+Stats (`transfer_stats`, for `/metrics`): each completed load's time from posting to
+completion as seen by polling (so up to `poll_interval_s` late), its pages and bytes, and
+the number of loads that failed.
+
 Threads. Without a listener thread NIXL's own thread sync is off, and the poller, the
 actor thread and the compute-stream thread may all call in: one lock serialises them.
 """
@@ -42,6 +46,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +57,7 @@ import torch
 
 from kv.nixl_shim import NIXL_ERRORS, nixl_agent, nixl_agent_config
 from kv.transfer_params import KVTransferParams
+from kv.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,8 @@ class _Load:
     block_ids: list[int]  # every local block the load writes, in group order
     skipped: list[int]  # local blocks left unread: reported as failed
     handle: Any = None  # None when nothing is in flight
+    started: float = 0.0  # time.monotonic() when the READ was posted
+    num_descs: int = 0  # pages the READ moves
 
 
 def _page_descs(base_addrs: Sequence[int], page_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
@@ -149,6 +157,7 @@ class NixlWorkerConnector:
         self._peers: dict[str, _Peer] = {}
         self._loads: dict[str, _Load] = {}
         self._pending = FinishedTransfers()
+        self.stats = TransferStats()  # under the lock; read it with `transfer_stats()`
         self._closed = False
         self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
         if missing := set(backends) - set(self._agent.backends):
@@ -216,6 +225,7 @@ class NixlWorkerConnector:
             local = [mine for group in kept for mine, _ in group]
             remote = [theirs for group in kept for _, theirs in group]
             if local:
+                load.started, load.num_descs = time.monotonic(), len(local) * len(self._base_addrs)
                 load.handle = self._read(peer, local, remote, params.request_id)
                 if load.handle is None:
                     load.skipped = list(load.block_ids)
@@ -230,6 +240,10 @@ class NixlWorkerConnector:
             self._poll()
             out, self._pending = self._pending, FinishedTransfers()
         return out
+
+    def transfer_stats(self) -> TransferStats:
+        with self._lock:
+            return self.stats.copy()
 
     def send_notif(self, agent_name: str, req_id: str) -> None:
         """Tell a prefill worker it may free `req_id`'s blocks without a READ (the decode side
@@ -279,8 +293,10 @@ class NixlWorkerConnector:
                 self._notify(load.remote_agent, load.remote_req_id)
             if load.skipped:
                 self._pending.failed[req_id] = load.skipped
+                self.stats.failed += 1
             else:
                 self._pending.done_recving.add(req_id)
+                self._count(load)
         try:
             notifs = self._agent.get_new_notifs()
         except NIXL_ERRORS as e:
@@ -292,6 +308,12 @@ class NixlWorkerConnector:
                     self._pending.done_sending.add(msg.decode())
                 except UnicodeDecodeError:
                     log.warning("ignoring a notification from %s that is no request id: %r", agent, msg[:64])
+
+    def _count(self, load: _Load) -> None:
+        if load.handle is not None:  # a load of nothing (no blocks granted) moved nothing
+            self.stats.seconds.observe(time.monotonic() - load.started)
+            self.stats.bytes += load.num_descs * self.page_bytes
+            self.stats.descriptors += load.num_descs
 
     def _pair(self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
               remote_num_blocks: int) -> list[list[tuple[int, int]]]:

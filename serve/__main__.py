@@ -1,14 +1,18 @@
 """`python -m serve`: serve a model over the OpenAI API until Ctrl-C.
 
     python -m serve [--model DIR] [--port 8000] [--address RAY_ADDRESS] [--config FILE] ...
+    python -m serve --address RAY_ADDRESS --detach ...   # start, leave it running, exit 0
+    python -m serve --address RAY_ADDRESS --stop         # stop a detached service
 
 Flags (vLLM's names), a YAML file and `RAYPD_*` variables fill one `Config`, printed at
 start-up with the URL. SIGINT or SIGTERM deletes the app, stops the engines and, for a local
-cluster, Ray itself, then exits 0.
+cluster, Ray itself, then exits 0. Inside a Ray job (`ray job submit -- python -m serve ...`)
+RAY_ADDRESS names the cluster.
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
@@ -16,11 +20,19 @@ from collections.abc import Sequence
 
 from models.loader import ModelLoadError, load_config
 from serve import launch
-from serve.config import load_config_or_exit
+from serve.config import Config, parse_args
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stop", action="store_true",
+                        help="stop a detached raypd service on the cluster (--address or RAY_ADDRESS) and exit")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = load_config_or_exit(argv)
+    args = parse_args(argv, extra=_flags)
+    cfg = args.config
+    if args.stop:
+        return _stop(cfg)
     try:  # fail in a second, not after starting a cluster
         load_config(cfg.model)
     except ModelLoadError as e:
@@ -43,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # launch.start has cleaned up; a one-line reason beats Ray's traceback
         print(f"raypd: cannot start: {e}", file=sys.stderr)
         return 1
+    if cfg.detach:
+        print(f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (detached: "
+              "`python -m serve --address ADDRESS --stop` stops it)", flush=True)
+        launch.leave(dep)
+        return 0
     signal.signal(signal.SIGTERM, on_signal)  # ray.init installed its own
     try:
         if not stopping.is_set():
@@ -52,6 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("raypd: shutting down", flush=True)
     finally:
         launch.stop(dep)
+    return 0
+
+
+def _stop(cfg: Config) -> int:
+    if launch.cluster_address(cfg) is None:
+        print("raypd: --stop needs the cluster: give --address (or set RAY_ADDRESS)", file=sys.stderr)
+        return 2
+    try:
+        names = launch.stop_detached(cfg)
+    except ConnectionError as e:
+        print(f"raypd: cannot stop: {e}", file=sys.stderr)
+        return 1
+    print(f"raypd: stopped {', '.join(names)}" if names else "raypd: no engines were running", flush=True)
     return 0
 
 

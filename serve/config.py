@@ -76,7 +76,10 @@ class Config:
     decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
     tensor_parallel_size: int = _f(1, "worker actors per engine; only 1 is implemented so far", lo=1, hi=1)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
-    address: str | None = _f(None, "Ray cluster address; default: start a local cluster")
+    address: str | None = _f(None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a "
+                                   "local cluster")
+    detach: bool = _f(False, "leave the service running when this process exits (needs a cluster: "
+                             "--address or a Ray job); `--stop` ends it")
     kv_load_failure_policy: FailurePolicy = _f("recompute", "a failed KV load: recompute the prompt, or fail the request")
     kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
     debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.build import Role
 from actors.scheduler_actor import RemoteScheduler
 from serve.config import Config
+from serve.placement import engine_options, worker_options
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ def engine_names(cfg: Config) -> dict[str, list[str]]:
 
 
 def create_engine(cfg: Config, name: str, role: Role) -> Any:
-    return RemoteScheduler.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(
-        cfg.to_dict(), role, name)
+    cluster = ray.cluster_resources()
+    return RemoteScheduler.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                   **engine_options(cfg, role, cluster)).remote(
+        cfg.to_dict(), role, name, worker_options(cfg, role, cluster))
 
 
 def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:

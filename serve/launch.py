@@ -2,16 +2,23 @@
 
 `start` undoes what it did if it fails part-way, and `stop` takes down only what `start`
 created: an existing cluster (`--address`) keeps running, and so do other Serve apps on it.
+
+Detached (`--detach`, on an existing cluster, e.g. from `ray job submit`): the engines are
+detached named actors anyway and the Serve app lives in Serve's own detached controller, so
+`leave` only disconnects and the service outlives the driver; `stop_detached`
+(`python -m serve --stop`) finds them by name later and takes them down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from serve.app import build_app
 from serve.config import Config
@@ -40,7 +47,10 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     dep = Deployment(cfg)
     try:
         if not ray.is_initialized():
-            if cfg.address is None:
+            if cfg.detach and cluster_address(cfg) is None:
+                raise ValueError("--detach needs a running cluster to stay on: give --address (or RAY_ADDRESS, "
+                                 "which a Ray job sets)")
+            if cluster_address(cfg) is None:
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
                 # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
                 ray.init(address="local", namespace=NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
@@ -59,9 +69,15 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     return dep
 
 
+def cluster_address(cfg: Config) -> str | None:
+    """The cluster to join: `--address`, else RAY_ADDRESS (set for a `ray job submit` entrypoint),
+    else None: start a local one."""
+    return cfg.address or os.environ.get("RAY_ADDRESS") or None
+
+
 def _join(cfg: Config) -> None:
     try:
-        ray.init(address=cfg.address, namespace=NAMESPACE, logging_level=cfg.log_level)
+        ray.init(address=cluster_address(cfg), namespace=NAMESPACE, logging_level=cfg.log_level)
     except ConnectionError as e:
         # Ray enables token auth only for clusters it finds itself, never for an explicit address.
         if os.environ.get("RAY_AUTH_MODE") is None:
@@ -83,3 +99,24 @@ def stop(dep: Deployment) -> None:
         dep.engines.clear()
         if dep.connected:
             ray.shutdown()
+
+
+def leave(dep: Deployment) -> None:
+    """Disconnect, leaving a detached deployment running on its cluster."""
+    if dep.connected:
+        ray.shutdown()
+
+
+def stop_detached(cfg: Config) -> list[str]:
+    """Take down a detached deployment on the cluster `cfg` names: the Serve app and every engine
+    actor in raypd's namespace. Returns the engines stopped (none: nothing was running)."""
+    _join(cfg)
+    try:
+        with contextlib.suppress(RayServeException):  # no Serve on the cluster: no app to delete
+            serve.delete(APP_NAME)
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-"))
+        stop_engines(names, ENGINE_SHUTDOWN_TIMEOUT_S)
+        return names
+    finally:
+        ray.shutdown()

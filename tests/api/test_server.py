@@ -253,3 +253,27 @@ def test_metrics_parse_and_idle_engine_uses_no_blocks(server, http):
     assert metric(http, "raypd_time_to_first_token_seconds_count") > 0
     assert metric(http, "raypd_generation_tokens_total") > 0
     assert http.get("/health").status_code == 200
+
+
+def test_metrics_break_requests_down_by_phase_and_count_kv_transfers(server, http):
+    """Every engine times the phases of the requests it finished; under PD the decode engine
+    counts its NIXL loads (pages, bytes, time) and none failed."""
+    wait_blocks_free(server)
+    decode = list(server.engines)[-1]
+    for name in server.engines:
+        assert metric(http, "raypd_request_queue_time_seconds_count", engine=name) > 0
+        assert metric(http, "raypd_request_prefill_time_seconds_count", engine=name) > 0
+    assert metric(http, "raypd_request_decode_time_seconds_count", engine=decode) > 0
+    loads = metric(http, "raypd_kv_transfer_seconds_count", engine=decode)
+    if server.cfg.colocated:
+        assert loads == 0 and metric(http, "raypd_kv_transfer_bytes_total") == 0
+        return
+    prefill = list(server.engines)[0]
+    assert metric(http, "raypd_request_decode_time_seconds_count", engine=prefill) == 0  # it hands over
+    assert loads > 0
+    assert metric(http, "raypd_kv_transfer_seconds_bucket", engine=decode, le="+Inf") == loads
+    descriptors = metric(http, "raypd_kv_transfer_descriptors_total", engine=decode)
+    assert descriptors >= loads
+    assert metric(http, "raypd_kv_transfer_bytes_total", engine=decode) % descriptors == 0
+    assert metric(http, "raypd_kv_transfer_failed_total", engine=decode) == 0
+    assert metric(http, "raypd_kv_lease_expired_total", engine=decode) == 0

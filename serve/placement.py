@@ -1,0 +1,44 @@
+"""Where Ray puts each engine: pure functions from the config, the engine's role and the
+cluster's resources to the `.options(...)` of its scheduler actor and of its worker actor.
+
+Nodes say what they are for with the custom resources `prefill` and `decode` (ray_cluster.yaml,
+or `ray start --resources '{"prefill": 1}'` on-prem). A prefill engine asks for a sliver of
+`prefill`, a decode engine of `decode`, so each lands on such a node when the cluster has one
+and anywhere when it has none (a laptop, CI). The sliver is a label, not a quota: a node with
+`prefill: 1` takes up to 1000 engines, and GPUs are what bound them. With `--device cuda` each
+worker asks for one GPU, so Ray gives it its own device and no two workers share one; the
+scheduler actors compute nothing and ask for none. Colocated engines go anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from serve.config import Config
+
+ROLE_RESOURCES = {"prefill": "prefill", "decode": "decode"}
+LABEL_AMOUNT = 0.001
+
+
+def role_resources(role: str, cluster_resources: Mapping[str, float]) -> dict[str, float]:
+    """The custom resource pinning `role` to its node type, if the cluster has nodes of it."""
+    name = ROLE_RESOURCES.get(role)
+    return {name: LABEL_AMOUNT} if name is not None and cluster_resources.get(name, 0) > 0 else {}
+
+
+def engine_options(cfg: Config, role: str, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
+    """`.options(...)` for an engine's scheduler actor (name, namespace and lifetime are the
+    caller's: engines are detached named actors, serve/engines.py)."""
+    resources = role_resources(role, cluster_resources)
+    return {"resources": resources} if resources else {}
+
+
+def worker_options(cfg: Config, role: str, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
+    """`.options(...)` for an engine's worker actor."""
+    options: dict[str, Any] = {}
+    if resources := role_resources(role, cluster_resources):
+        options["resources"] = resources
+    if cfg.device == "cuda":
+        options["num_gpus"] = 1
+    return options
