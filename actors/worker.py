@@ -35,7 +35,7 @@ from kv.nixl_worker import NixlWorkerConnector
 from kv.transfer_stats import TransferStats
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
-from models.loader import load_model
+from models.loader import load_config, load_model
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,10 @@ class WorkerConfig:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = torch.device(cfg.device)
-        loaded = load_model(cfg.model_dir, dtype=parse_dtype(cfg.dtype), device=self.device)
+        weights = parse_dtype(cfg.dtype)
+        if weights is None and self.device.type == "cpu" and load_config(cfg.model_dir).dtype.itemsize < 4:
+            weights = torch.float32  # half-precision matmuls run several times slower than fp32 on CPUs
+        loaded = load_model(cfg.model_dir, dtype=weights, device=self.device)
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
         cache_dtype = parse_dtype(cfg.kv_cache_dtype) or next(self.model.parameters()).dtype

@@ -3,7 +3,14 @@ requests, with the zero bookkeeping on (a hybrid model: new attention blocks rec
 drained and filtered every step) and off (the same scheduler with the zero list dropped).
 Ratios are against the "off" run measured in the same process.
 
-    python -m bench.scheduler [--steps 300] [--block-size 4]
+Then the share of a whole decode step that is scheduling: a real scheduler and a real
+in-process worker with `--model` (the shipped hybrid by default), every request decoding,
+steps run one after another: scheduling (`schedule` + `update_from_output`) over the
+whole step (scheduling + the worker's `execute_model`).
+
+    python -m bench.scheduler [--steps 300] [--block-size 4] [--share-steps 30] [--model DIR] [--json-out FILE]
+
+The last line is JSON: `sched_share_256`, the share at 256 running requests.
 """
 
 from __future__ import annotations
@@ -11,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from actors.messages import ModelRunnerOutput, SamplingParams
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
+from actors.worker import Worker, WorkerConfig
 from kv.kv_cache_manager import KVCacheManager
 from models.batch import CacheGroup
 
@@ -46,11 +55,53 @@ def _measure(cls: type[Scheduler], running: int, steps: int, block_size: int) ->
     return elapsed / steps * 1e6
 
 
+def _share(model: Path, running: int, steps: int, dtype: str, device: str) -> tuple[float, float]:
+    """(scheduling, whole step) in microseconds per decode step at `running` requests."""
+    prompt_len = 16
+    block_size = 16
+    blocks = running * (-(-(prompt_len + steps + 4) // block_size) + 1) + 8
+    worker = Worker(WorkerConfig(str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=blocks))
+    layout = worker.layout
+    try:
+        kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, enable_prefix_caching=False)
+        sched = Scheduler(SchedulerConfig(max(running * prompt_len, 2048), running, 1 << 20), kv,
+                          StopChecker(None, 1 << 20))
+        for i in range(running):
+            prompt = [(i * 7 + j) % 200 + 1 for j in range(prompt_len)]
+            sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 4), None))
+        sched_s = step_s = 0.0
+        for step in range(steps + 1):  # step 0 is the prefill of every prompt
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            assert out is not None
+            result = worker.execute_model_sync(out)
+            t2 = time.perf_counter()
+            sched.update_from_output(out, result)
+            t3 = time.perf_counter()
+            if step:
+                assert len(out.num_scheduled_tokens) == running and sum(out.num_scheduled_tokens.values()) == running
+                sched_s += (t1 - t0) + (t3 - t2)
+                step_s += t3 - t0
+    finally:
+        worker.close()
+    return sched_s / steps * 1e6, step_s / steps * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--share-steps", type=int, default=30, help="decode steps per share measurement")
+    ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parent.parent / "models" / "tiny-hybrid")
+    ap.add_argument("--dtype", default="auto", help="the worker's dtype, as `python -m serve --dtype`")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the worker's device")
+    ap.add_argument("--json-out", type=Path, help="also write every row here")
     args = ap.parse_args()
+    if args.steps < 1 or args.share_steps < 1 or args.block_size < 1:
+        ap.error("--steps, --share-steps and --block-size must be positive")
+    if not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there")
     rows = []
     for running in (1, 64, 256):
         on = _measure(Scheduler, running, args.steps, args.block_size)
@@ -58,6 +109,19 @@ def main() -> None:
         rows.append({"running": running, "us_on": round(on, 1), "us_off": round(off, 1), "ratio": round(on / off, 3)})
         print(f"running={running:4d}  zero bookkeeping on {on:9.1f} us  off {off:9.1f} us  ratio {on / off:.3f}")
     print(json.dumps({"bench": "scheduler", "block_size": args.block_size, "steps": args.steps, "rows": rows}))
+    shares = {}
+    share_rows = []
+    for running in (1, 64, 256):
+        sched_us, step_us = _share(args.model, running, args.share_steps, args.dtype, args.device)
+        shares[running] = sched_us / step_us
+        share_rows.append({"running": running, "sched_us": round(sched_us, 1), "step_us": round(step_us, 1),
+                           "share": round(sched_us / step_us, 4)})
+        print(f"running={running:4d}  decode step {step_us:9.1f} us  scheduling {sched_us:9.1f} us  "
+              f"share {sched_us / step_us:.3f}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"schedule_us": rows, "share": share_rows}, indent=1))
+    print(json.dumps({"sched_share_1": round(shares[1], 4), "sched_share_64": round(shares[64], 4),
+                      "sched_share_256": round(shares[256], 4)}))
 
 
 if __name__ == "__main__":

@@ -27,32 +27,86 @@ def paged_attention(
     meta: AttnMeta,
     scale: float,
 ) -> torch.Tensor:
-    """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [N, H, D]."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [N, H, D].
+
+    Single-token (decode) requests are attended together and multi-token chunks together:
+    queries are padded to the longest chunk of their own kind, so a prefill chunk in the
+    step does not make every decode request carry hundreds of padded query rows."""
+    block_size = k_cache.shape[1]
     blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    if batch.max_query_len == 1:
+        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.block_valid, batch.positions, scale)
+    lens = batch.query_lens
+    single = [r for r, n in enumerate(lens) if n == 1]
+    if not single:
+        return _attend_chunks(q, k_cache, v_cache, meta.block_table, meta.block_valid, batch.positions,
+                              batch.token_req, batch.token_local, batch.max_query_len, scale)
+    out = torch.empty_like(q)
+    multi = [r for r, n in enumerate(lens) if n > 1]
+    device = q.device
+    rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
+    reqs = torch.tensor(single, dtype=torch.long, device=device)
+    out[rows] = _attend_decode(q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs],
+                               batch.positions[rows], scale)
+    rows = torch.tensor([t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
+                        dtype=torch.long, device=device)
+    reqs = torch.tensor(multi, dtype=torch.long, device=device)
+    token_req = torch.tensor([i for i, r in enumerate(multi) for _ in range(lens[r])], dtype=torch.long, device=device)
+    out[rows] = _attend_chunks(q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs],
+                               batch.positions[rows], token_req, batch.token_local[rows], max(lens), scale)
+    return out
 
-    reqs, width = meta.block_table.shape
-    valid = meta.block_valid[:, :, None, None, None]
-    keys = k_cache[meta.block_table].where(valid, 0).reshape(reqs, width * block_size, kv_heads, head_dim)
-    values = v_cache[meta.block_table].where(valid, 0).reshape(reqs, width * block_size, kv_heads, head_dim)
 
-    heads = q.shape[1]
-    group = heads // kv_heads
-    qp = q.new_zeros((reqs, batch.max_query_len, heads, head_dim))
-    qp[batch.token_req, batch.token_local] = q
-    qpos = torch.zeros((reqs, batch.max_query_len), dtype=torch.long, device=q.device)
-    qpos[batch.token_req, batch.token_local] = batch.positions
-    qp = qp.view(reqs, batch.max_query_len, kv_heads, group, head_dim)
+def _gather(cache: torch.Tensor, table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[R, W] block table -> [R, W * block_size, KVH, D]. `index_select` copies whole
+    contiguous pages (advanced indexing on the strided page views is several times slower);
+    the table's padding entries are then zeroed in place."""
+    reqs, width = table.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    out = cache.index_select(0, table.flatten()).view(reqs, width, block_size, kv_heads, head_dim)
+    if not bool(valid.all()):
+        out[~valid] = 0
+    return out.view(reqs, width * block_size, kv_heads, head_dim)
+
+
+def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                   valid: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per request. q: [R, H, D], positions: [R]. Returns [R, H, D]."""
+    reqs, heads, head_dim = q.shape
+    keys = _gather(k_cache, table, valid).to(q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
+    values = _gather(v_cache, table, valid).to(q.dtype).transpose(1, 2)
+    # SDPA reads the strided views as they are; a boolean mask keeps the masked slots'
+    # values in the product (0 * NaN = NaN), as the chunk path does.
+    allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None, None],
+                                         scale=scale, enable_gqa=True)
+    return out.view(reqs, heads, head_dim)
+
+
+def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                   valid: torch.Tensor, positions: torch.Tensor, token_req: torch.Tensor, token_local: torch.Tensor,
+                   max_query_len: int, scale: float) -> torch.Tensor:
+    """Chunks of several queries, padded to the longest. q: [N, H, D]. Returns [N, H, D]."""
+    heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    reqs = table.shape[0]
+    keys = _gather(k_cache, table, valid)
+    values = _gather(v_cache, table, valid)
+    qp = q.new_zeros((reqs, max_query_len, heads, head_dim))
+    qp[token_req, token_local] = q
+    qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
+    qpos[token_req, token_local] = positions
+    qp = qp.view(reqs, max_query_len, kv_heads, heads // kv_heads, head_dim)
 
     scores = torch.einsum("rqkgd,rskd->rkgqs", qp, keys.to(q.dtype)).float() * scale
-    kpos = torch.arange(width * block_size, device=q.device)
+    kpos = torch.arange(keys.shape[1], device=q.device)
     causal = kpos[None, None, :] <= qpos[:, :, None]  # [R, Q, S]
     scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     out = torch.einsum("rkgqs,rskd->rqkgd", probs, values.to(q.dtype))
-    return out.reshape(reqs, batch.max_query_len, heads, head_dim)[batch.token_req, batch.token_local]
+    return out.reshape(reqs, max_query_len, heads, head_dim)[token_req, token_local]
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

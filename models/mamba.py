@@ -157,7 +157,10 @@ class Mamba2Mixer(nn.Module):
             out = out + self.conv1d.bias
         x, b, c = self._ssm_inputs(F.silu(out))
         step = self._dt(dt[idx])  # [R, H]
-        state = ssm_cache[s] * torch.exp(step * a)[..., None, None]
-        state = state + (step[..., None] * x)[..., None] * b[:, :, None, :]
-        ssm_cache[s] = state
+        # The states are the biggest tensors of a decode step: one gathered copy, updated in
+        # place, written back once.
+        state = ssm_cache[s]
+        state.mul_(torch.exp(step * a)[..., None, None])
+        state.addcmul_((step[..., None] * x)[..., None], b[:, :, None, :])
+        ssm_cache.index_copy_(0, s, state)
         y[idx] = torch.einsum("rhpn,rhn->rhp", state, c) + x * self.D.float()[:, None]

@@ -56,7 +56,7 @@ class Config:
 
     model: str = _f(DEFAULT_MODEL, "model directory (config.json, safetensors, tokenizer.json)")
     served_model_name: str | None = _f(None, "model name in the API; default: the model directory's name")
-    dtype: Dtype = _f("auto", "weight and activation dtype; auto = the checkpoint's")
+    dtype: Dtype = _f("auto", "weight and activation dtype; auto = the checkpoint's (fp32 on CPU)")
     kv_cache_dtype: Dtype = _f("auto", "KV cache dtype; auto = the model's dtype")
     device: Device = _f("auto", "auto = cuda if available, else cpu")
     block_size: int | None = _f(None, "tokens per KV block; default: chosen for the model", lo=1)

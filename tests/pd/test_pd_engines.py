@@ -4,6 +4,7 @@ outputs equal the colocated ones token for token, and every block comes back."""
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import pytest
@@ -15,6 +16,9 @@ from actors.scheduler_actor import RemoteScheduler
 from serve.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
+
+# `make gpu-check` sets cuda: the caches then live in VRAM and NIXL moves VRAM.
+DEVICE = os.environ.get("RAYPD_TEST_DEVICE", "cpu")
 
 
 def start_pd(cfg: Config):
@@ -71,7 +75,7 @@ def run_pd(cfg: Config, reqs):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_pd_equals_colocated(ray_cluster, tmp_path, kind, async_scheduling):
     save_hf_model(kind, tmp_path)
-    cfg = Config(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=800,
+    cfg = Config(model=str(tmp_path), dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=800,
                  max_num_seqs=64, max_num_batched_tokens=512, async_scheduling=async_scheduling, worker_threads=1)
     reqs = workload(64, seed=11)
     got, stats = run_pd(cfg, reqs)

@@ -7,7 +7,7 @@ import pytest
 from serve.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
-from tests.pd.test_pd_engines import run_pd
+from tests.pd.test_pd_engines import DEVICE, run_pd
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def reference(hybrid):
 
 
 def base(path: str, **kw) -> Config:
-    return Config(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=600, max_num_seqs=32,
+    return Config(model=path, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=600, max_num_seqs=32,
                   max_num_batched_tokens=256, worker_threads=1, seed=2, **kw)
 
 

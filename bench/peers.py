@@ -1,0 +1,228 @@
+"""raypd against vLLM CPU on the same cores: the same random-weight checkpoints
+(bench/peer_models.py: a ~19M NemotronH-style hybrid and a ~29M dense Qwen3, fp32), the
+same compute threads, the same prompts and the same load client.
+
+- offline: output tokens/s of greedy generation at batch 1 (prompts one after another)
+  and batch 32 (one batch), raypd's in-process engine (bench/raypd_offline.py) against
+  `vllm.LLM` (bench/vllm_offline.py), each in a process and session of its own;
+- served: `python -m serve` (one colocated engine) against vLLM's OpenAI server, streaming
+  completions at 1, 8 and 32 concurrent streams: output tokens/s, TTFT, TPOT, ITL.
+
+The machine is shared, so its speed drifts: both engines are kept up at once and their
+runs alternate, `--rounds` times each, so both see the same conditions; an idle engine
+waits without computing. vLLM runs from its own virtual environment (`make bench-peers`
+creates `.venv-vllm`).
+
+    python -m bench.peers [--models hybrid,dense] [--threads 1] [--work-dir DIR]
+
+Whether the greedy tokens of both engines agree is reported per model. The last line is
+JSON: raypd / vLLM ratios (`offline_b1`, `offline_b32`, `served_c8`, `served_c32`), the
+geometric mean over the models, and the same per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.peer_client import Sample, drive
+from bench.peer_models import VOCAB, make
+from bench.peer_servers import free_port, raypd_command, running, vllm_command, vllm_env
+
+REPO = Path(__file__).resolve().parent.parent
+BATCHES = (1, 32)
+_OFFLINE_TIMEOUT_S = 900.0
+Run = tuple[float, list[list[int]]]  # seconds, output token ids
+
+
+def prompts_for(batch: int, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed * 1000 + batch)
+    return [[rng.randrange(1, VOCAB - 1) for _ in range(length)] for _ in range(count)]
+
+
+class _OfflineEngine:
+    """`bench/vllm_offline.py` or `bench/raypd_offline.py` in a process and session of its
+    own (Linux shares CPU time fairly between sessions): one stdin command per run."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], work: Path) -> None:
+        self.work = work
+        self.name = name
+        self.log = work / f"{name}-offline.log"
+        self._count = 0
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=REPO, start_new_session=True)
+
+    def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
+        self._count += 1
+        out = self.work / f"{self.name}-offline-{self._count}.json"
+        assert self.proc.stdin is not None
+        cmd = {"prompts": prompts, "batch": batch, "max_tokens": max_tokens, "out": str(out)}
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + _OFFLINE_TIMEOUT_S  # the first command waits for the start-up too
+        while not out.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} offline process exited with {self.proc.returncode}; see {self.log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} offline run took over {_OFFLINE_TIMEOUT_S:.0f} s; see {self.log}")
+            time.sleep(0.05)
+        data = json.loads(out.read_text())
+        return data["wall_s"], data["token_ids"]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _offline(model: Path, args: argparse.Namespace, work: Path) -> dict[str, dict[int, list[Run]]]:
+    """Both engines' offline processes, runs alternating; per engine and batch size the
+    (seconds, outputs) of every round."""
+    by_batch = {b: prompts_for(b, args.batch1_prompts if b == 1 else b, args.prompt_len, 0) for b in BATCHES}
+    seqs = str(max(BATCHES))
+    env = vllm_env(args.threads)
+    engines = {
+        "raypd": _OfflineEngine(f"{model.name}-raypd", [sys.executable, "-m", "bench.raypd_offline", "--model",
+                                str(model), "--max-num-seqs", seqs, "--threads", str(args.threads)], env, work),
+        "vllm": _OfflineEngine(f"{model.name}-vllm", [str(args.vllm_python), str(REPO / "bench" / "vllm_offline.py"),
+                               "--model", str(model), "--max-num-seqs", seqs], env, work),
+    }
+    runs: dict[str, dict[int, list[Run]]] = {e: {b: [] for b in BATCHES} for e in engines}
+    try:
+        for b, prompts in by_batch.items():  # warm-up
+            for engine in engines.values():
+                engine.run(prompts[:b], b, 4)
+        for _ in range(args.rounds):
+            for b, prompts in by_batch.items():
+                for name, engine in engines.items():
+                    runs[name][b].append(engine.run(prompts, b, args.max_tokens))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return runs
+
+
+def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """Both servers up at once; for each stream count, a raypd round then a vLLM round,
+    `--rounds` times."""
+    ports = {"raypd": free_port(), "vllm": free_port()}
+    cmds = {"raypd": raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
+            "vllm": vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams))}
+    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams}
+                                                                 for e in cmds}
+    env = vllm_env(args.threads)
+    with running(cmds["raypd"], env, ports["raypd"], work / f"{kind}-raypd-server.log") as raypd_url, \
+            running(cmds["vllm"], env, ports["vllm"], work / f"{kind}-vllm-server.log") as vllm_url:
+        urls = {"raypd": raypd_url, "vllm": vllm_url}
+        for _ in range(args.rounds):
+            for streams in args.streams:
+                prompts = prompts_for(streams, streams * args.requests_per_stream, args.prompt_len, 1)
+                for engine, url in urls.items():
+                    got, wall = asyncio.run(drive(url, kind, prompts, streams, args.max_tokens))
+                    prev, prev_wall = samples[engine][streams]
+                    samples[engine][streams] = (prev + got, prev_wall + wall)
+    return {e: {s: _summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
+
+
+def _summary(samples: list[Sample], wall: float) -> dict[str, float]:
+    tpot = [(s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
+    itl = [x for s in samples for x in s.itls]
+    return {"output_tok_per_s": sum(s.tokens for s in samples) / wall,
+            "ttft_p50_ms": 1e3 * statistics.median(s.ttft for s in samples),
+            "tpot_p50_ms": 1e3 * statistics.median(tpot), "itl_p50_ms": 1e3 * statistics.median(itl)}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean share of each output that matches up to the first differing token."""
+    shares = []
+    for x, y in zip(a, b, strict=False):
+        same = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+        shares.append(same / max(len(x), len(y), 1))
+    return statistics.fmean(shares)
+
+
+def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, object]:
+    model = work / kind
+    params = make(kind, model)
+    print(f"== {kind}: {params / 1e6:.1f}M parameters at {model}", flush=True)
+    runs = _offline(model, args, work)
+    row: dict[str, object] = {"model": kind, "params_m": round(params / 1e6, 1)}
+    for b in BATCHES:
+        tps = {e: sum(len(t) for _, out in runs[e][b] for t in out) / sum(w for w, _ in runs[e][b]) for e in runs}
+        agree = _agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1])
+        row[f"offline_b{b}"] = {"raypd_tok_s": round(tps["raypd"], 1), "vllm_tok_s": round(tps["vllm"], 1),
+                                "ratio": round(tps["raypd"] / tps["vllm"], 3), "greedy_agreement": round(agree, 4)}
+        print(f"offline batch {b:2d}: raypd {tps['raypd']:8.1f} tok/s  vLLM {tps['vllm']:8.1f} tok/s  "
+              f"ratio {tps['raypd'] / tps['vllm']:.2f}  greedy agreement {agree:.4f}", flush=True)
+    served = _served(model, kind, args, work)
+    for streams in args.streams:
+        ours, theirs = served["raypd"][streams], served["vllm"][streams]
+        row[f"served_c{streams}"] = {"raypd": {k: round(v, 2) for k, v in ours.items()},
+                                     "vllm": {k: round(v, 2) for k, v in theirs.items()},
+                                     "ratio": round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 3)}
+        for engine, st in (("raypd", ours), ("vllm", theirs)):
+            print(f"served {engine:5s} {streams:2d} streams: {st['output_tok_per_s']:8.1f} tok/s  "
+                  f"TTFT {st['ttft_p50_ms']:7.1f} ms  TPOT {st['tpot_p50_ms']:6.1f} ms  ITL {st['itl_p50_ms']:6.1f} ms",
+                  flush=True)
+    return row
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma-separated")
+    return values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=lambda t: t.split(","), default=["hybrid", "dense"])
+    ap.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
+    ap.add_argument("--streams", type=_positive_ints, default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each engine per measurement")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one after another at batch 1")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
+    ap.add_argument("--work-dir", type=Path, help="models, prompts and server logs (default: a temporary dir)")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    if unknown := set(args.models) - {"hybrid", "dense"}:
+        ap.error(f"--models: unknown {sorted(unknown)}; choose from hybrid, dense")
+    if min(args.threads, args.rounds, args.requests_per_stream, args.batch1_prompts, args.prompt_len) < 1 or args.max_tokens < 2:
+        ap.error("--threads, --rounds, --requests-per-stream, --batch1-prompts, --prompt-len must be >= 1, --max-tokens >= 2")
+    if not args.vllm_python.is_file():
+        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make bench-peers` to create .venv-vllm")
+    with tempfile.TemporaryDirectory(prefix="raypd-peers-") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [bench_model(kind, args, work) for kind in args.models]
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    keys = [f"offline_b{b}" for b in BATCHES] + [f"served_c{s}" for s in args.streams if s > 1]
+    headline = {k: round(math.exp(statistics.fmean(math.log(r[k]["ratio"]) for r in rows)), 3) for k in keys}
+    for r in rows:
+        headline |= {f"{k}_{r['model']}": r[k]["ratio"] for k in keys}
+    headline["greedy_agreement"] = min(r[f"offline_b{b}"]["greedy_agreement"] for r in rows for b in BATCHES)
+    print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+    main()
