@@ -44,9 +44,12 @@ def _attn_page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 
 def _mamba_page_bytes(cfg: ModelConfig) -> int:
-    if cfg.mamba is None:
+    # Mamba2 and Gated DeltaNet layers share the "mamba" group kind: both keep a conv window
+    # and a recurrent state per request, overwritten in place and never zeroed.
+    spec = cfg.state_spec
+    if spec is None:
         return 0
-    return 4 * (math.prod(cfg.mamba.conv_state_shape) + math.prod(cfg.mamba.ssm_state_shape))
+    return 4 * (math.prod(spec.conv_state_shape) + math.prod(spec.ssm_state_shape))
 
 
 def _split(layers: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
@@ -123,10 +126,11 @@ def _attn_view(buf: torch.Tensor, layout: CacheLayout, cfg: ModelConfig) -> Laye
 
 
 def _mamba_view(buf: torch.Tensor, cfg: ModelConfig) -> LayerCache:
-    assert cfg.mamba is not None
-    conv_bytes = 4 * math.prod(cfg.mamba.conv_state_shape)
-    ssm_bytes = 4 * math.prod(cfg.mamba.ssm_state_shape)
+    spec = cfg.state_spec
+    assert spec is not None
+    conv_bytes = 4 * math.prod(spec.conv_state_shape)
+    ssm_bytes = 4 * math.prod(spec.ssm_state_shape)
     n = buf.shape[0]
-    conv = buf[:, :conv_bytes].view(torch.float32).view(n, *cfg.mamba.conv_state_shape)
-    ssm = buf[:, conv_bytes : conv_bytes + ssm_bytes].view(torch.float32).view(n, *cfg.mamba.ssm_state_shape)
+    conv = buf[:, :conv_bytes].view(torch.float32).view(n, *spec.conv_state_shape)
+    ssm = buf[:, conv_bytes : conv_bytes + ssm_bytes].view(torch.float32).view(n, *spec.ssm_state_shape)
     return conv, ssm

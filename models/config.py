@@ -14,7 +14,8 @@ import torch
 
 LayerKind = Literal["attention", "mamba", "mlp"]
 
-ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "Qwen3ForCausalLM": "qwen3", "Qwen3_5ForCausalLM": "qwen3_5"}
+_MODEL_TYPES = {"nemotron_h": "nemotron_h", "qwen3": "qwen3", "qwen3_5_text": "qwen3_5"}
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp"}
 _BLOCK_TYPES = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "mamba": "mamba",
                 "attention": "attention"}
@@ -56,8 +57,41 @@ class MambaSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet (Qwen3.5 linear attention) dimensions. Its per-request state has the
+    same two parts as Mamba2's, a causal-conv window and a recurrent matrix per value head,
+    so it lives in the same kind of state page."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: Literal["nemotron_h", "qwen3"]
+    architecture: Literal["nemotron_h", "qwen3", "qwen3_5"]
     vocab_size: int
     hidden_size: int
     layer_kinds: tuple[LayerKind, ...]
@@ -77,6 +111,13 @@ class ModelConfig:
     bos_token_id: int | None
     pad_token_id: int | None
     dtype: torch.dtype
+    gated_delta_net: GatedDeltaNetSpec | None = None
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def state_spec(self) -> MambaSpec | GatedDeltaNetSpec | None:
+        """What sizes a state page: the conv and recurrent state shapes of the state layers."""
+        return self.mamba or self.gated_delta_net
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -91,13 +132,13 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            arch = {"nemotron_h": "nemotron_h", "qwen3": "qwen3"}.get(d.get("model_type", ""))
+            arch = _MODEL_TYPES.get(d.get("model_type", ""))
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {archs or d.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}"
             )
         try:
-            return _parse_nemotron_h(d) if arch == "nemotron_h" else _parse_qwen3(d)
+            return {"nemotron_h": _parse_nemotron_h, "qwen3": _parse_qwen3, "qwen3_5": _parse_qwen3_5}[arch](d)
         except KeyError as e:
             raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
 
@@ -166,10 +207,15 @@ def _parse_nemotron_h(d: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _parse_qwen3(d: dict[str, Any]) -> ModelConfig:
+def _rope(d: dict[str, Any]) -> dict[str, Any]:
     rope = d.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}; only 'default' is implemented")
+    return rope
+
+
+def _parse_qwen3(d: dict[str, Any]) -> ModelConfig:
+    rope = _rope(d)
     if d.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported")
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -182,4 +228,49 @@ def _parse_qwen3(d: dict[str, Any]) -> ModelConfig:
         rope_theta=float(theta),
         mamba=None,
         **_common(d),
+    )
+
+
+def _parse_qwen3_5(d: dict[str, Any]) -> ModelConfig:
+    """Qwen3.5's text decoder. Its multimodal RoPE sections are accepted and ignored: for
+    text the three position streams are equal, and the interleaving then changes nothing."""
+    rope = _rope(d)
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
+    layers = d["num_hidden_layers"]
+    # transformers' default when a config names no layer types: every 4th layer is full attention.
+    interval = d.get("full_attention_interval", 4)
+    types = d.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+    ]
+    bad = set(types) - {"linear_attention", "full_attention"}
+    if bad:
+        raise ConfigError(f"layer_types has unsupported layer types {sorted(bad)}")
+    if len(types) != layers:
+        raise ConfigError(f"layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
+    gdn = GatedDeltaNetSpec(
+        num_k_heads=d.get("linear_num_key_heads", 16),
+        num_v_heads=d.get("linear_num_value_heads", 32),
+        head_k_dim=d.get("linear_key_head_dim", 128),
+        head_v_dim=d.get("linear_value_head_dim", 128),
+        conv_kernel=d.get("linear_conv_kernel_dim", 4),
+    )
+    if gdn.num_v_heads % gdn.num_k_heads:
+        raise ConfigError(f"linear_num_value_heads ({gdn.num_v_heads}) must be a multiple of "
+                          f"linear_num_key_heads ({gdn.num_k_heads})")
+    factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    common = _common(d)
+    if not 0 < factor <= 1 or int(common["head_dim"] * factor) % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} must give an even rotary width within head_dim")
+    return ModelConfig(
+        architecture="qwen3_5",
+        layer_kinds=tuple(_BLOCK_TYPES[t] for t in types),
+        norm_eps=d.get("rms_norm_eps", 1e-6),
+        mlp_bias=False,
+        use_bias=False,
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        mamba=None,
+        gated_delta_net=gdn,
+        partial_rotary_factor=factor,
+        **common,
     )

@@ -21,8 +21,11 @@ from torch import nn
 from models.config import ConfigError, ModelConfig
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
+from models.qwen3_5 import Qwen3_5ForCausalLM
 
-_CLASSES: dict[str, type[nn.Module]] = {"nemotron_h": NemotronHForCausalLM, "qwen3": Qwen3ForCausalLM}
+_CLASSES: dict[str, type[nn.Module]] = {
+    "nemotron_h": NemotronHForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM,
+}
 # Older NemotronH checkpoints name the backbone `backbone.`; transformers 5 names it `model.`.
 _ALIASES = (("backbone.", "model."),)
 
@@ -115,6 +118,11 @@ def _chat_template(model_dir: Path) -> str | None:
     return _read_json(cfg).get("chat_template") if cfg.exists() else None
 
 
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model class for `cfg.architecture`, with its modules' own initial weights."""
+    return _CLASSES[cfg.architecture](cfg)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> LoadedModel:
     """Build the model for `config.json`, fill it from safetensors, cast to `dtype` (default:
     the checkpoint's dtype) and move it to `device`."""
@@ -126,7 +134,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     if not tok_path.exists():
         raise ModelLoadError(f"missing file {tok_path}")
     tokenizer = Tokenizer.from_file(str(tok_path))
-    model = _CLASSES[cfg.architecture](cfg)
+    model = build_model(cfg)
     _assign(model, *_read_weights(path), cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
     generation, eos = load_generation_config(path, cfg)

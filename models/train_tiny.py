@@ -1,12 +1,13 @@
-"""Train the shipped tiny hybrid model on associative recall and write it in HF format.
+"""Train a shipped tiny hybrid model on associative recall and write it in HF format.
 
-    python -m models.train_tiny --out models/tiny-hybrid [--steps N] [--seed S]
+    python -m models.train_tiny --out models/tiny-hybrid [--arch nemotron_h] [--steps N] [--seed S]
+    python -m models.train_tiny --out models/tiny-qwen35 --arch qwen3_5
 
-The checkpoint exists to make the PD bug visible: a NemotronH-style stack (Mamba2,
-attention and MLP layers) that answers `models.tiny_task` prompts almost always right
-when it reads the prompt's KV, and almost always wrong when that KV is zeroed. Training
-is seeded and runs on CPU in minutes, so anyone can rebuild the checkpoint; CI never
-does and uses the committed one.
+The checkpoint exists to make the PD bug visible: a hybrid stack (state layers, Mamba2 or
+Gated DeltaNet, and attention layers; `models.tiny_configs`) that answers `models.tiny_task`
+prompts almost always right when it reads the prompt's KV, and almost always wrong when
+that KV is zeroed. Training is seeded and runs on CPU in minutes, so anyone can rebuild
+the checkpoint; CI never does and uses the committed one.
 """
 
 from __future__ import annotations
@@ -17,78 +18,27 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from models import tiny_task
-from models.build_tokenizer import (
-    EOS_TOKEN_ID,
-    MODEL_MAX_LENGTH,
-    PAD_TOKEN_ID,
-    VOCAB_SIZE,
-    write_tokenizer_files,
-)
+from models.build_tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, write_tokenizer_files
 from models.config import ModelConfig
-from models.loader import save_model
-from models.nemotron_h import NemotronHForCausalLM
+from models.loader import build_model, save_model
+from models.tiny_configs import TINY_CONFIGS
 
 EVAL_PROMPTS = 200
 VALID_PROMPTS = 256
-
-
-def hf_config() -> dict[str, Any]:
-    """The model's `config.json`. Two attention layers with GQA (the KV that PD moves) and
-    two Mamba layers (the state it must not zero); the Mamba layers come first because
-    NemotronH attention has no positional embedding and relies on them for order."""
-    return {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "hybrid_override_pattern": "M*-M*-",
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "intermediate_size": 256,
-        "mlp_hidden_act": "relu2",
-        "ssm_state_size": 32,
-        "mamba_num_heads": 4,
-        "mamba_head_dim": 32,
-        "mamba_hidden_act": "silu",
-        "n_groups": 1,
-        "expand": 1,
-        "conv_kernel": 4,
-        "chunk_size": 64,
-        "layer_norm_epsilon": 1e-5,
-        "use_conv_bias": True,
-        "use_bias": False,
-        "mlp_bias": False,
-        "attention_bias": False,
-        "time_step_min": 0.001,
-        "time_step_max": 0.1,
-        "time_step_floor": 1e-4,
-        "residual_in_fp32": False,
-        "rescale_prenorm_residual": True,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": EOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "pad_token_id": PAD_TOKEN_ID,
-        "max_position_embeddings": MODEL_MAX_LENGTH,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-        "dtype": "bfloat16",
-    }
+BATCH_SIZE = 32
 
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     steps: int
     seed: int
-    batch_size: int = 32
+    batch_size: int = BATCH_SIZE
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1
@@ -136,7 +86,7 @@ def make_batch(samples: list[tiny_task.Sample]) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def exact_accuracy(model: NemotronHForCausalLM, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+def exact_accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
     """Share of answers whose every token (EOS included) is the argmax under teacher forcing.
     For an exact match this equals greedy decoding: if each step's argmax is the right token,
     greedy feeds back exactly the teacher-forced input."""
@@ -153,7 +103,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(model: NemotronHForCausalLM, cfg: TrainConfig, valid: tuple[torch.Tensor, ...]) -> None:
+def train(model: nn.Module, cfg: TrainConfig, valid: tuple[torch.Tensor, ...]) -> None:
     rng = tiny_task.task_rng("train", cfg.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -195,23 +145,27 @@ def write_eval_set(path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Train the shipped tiny hybrid model.")
+    parser = argparse.ArgumentParser(description="Train a shipped tiny hybrid model.")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the model into")
+    parser.add_argument("--arch", choices=sorted(TINY_CONFIGS), default="nemotron_h",
+                        help="model architecture (models.tiny_configs)")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="contexts per step")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    hf = hf_config()
+    hf = TINY_CONFIGS[args.arch]()
     # The modules' own initialisation (PyTorch defaults, Mamba A = 1..H, D = 1) trains
     # well here; with HF's small-normal scheme a probe sat on the loss plateau for 400 steps.
-    model = NemotronHForCausalLM(ModelConfig.from_hf_dict({**hf, "dtype": "float32"}))
+    cfg_fp32 = ModelConfig.from_hf_dict({**hf, "dtype": "float32"})
+    model = build_model(cfg_fp32)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"pattern {hf['hybrid_override_pattern']}", flush=True)
+          f"layers {cfg_fp32.layer_kinds}", flush=True)
 
-    cfg = TrainConfig(steps=args.steps, seed=args.seed)
+    cfg = TrainConfig(steps=args.steps, seed=args.seed, batch_size=args.batch_size)
     valid = valid_batch()
     start = time.monotonic()
     train(model, cfg, valid)
