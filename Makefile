@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
+.PHONY: setup lint test test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-test: setup
+# Format, lint and types (configured in pyproject.toml); `make test` runs it first.
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: setup lint
 	$(PY) -m pytest -q -m "not cluster and not multinode" tests
 
 # `ray start` clusters on 127.0.0.1 with their own temp dirs and ports; `ray job submit` deploys

@@ -26,27 +26,43 @@ log = logging.getLogger(__name__)
 Role = Literal["colocated", "prefill", "decode"]
 
 
-def worker_config(cfg: Config, role: Role = "colocated", engine_id: str = "", nixl_agent_name: str = "") -> WorkerConfig:
-    return WorkerConfig(cfg.model, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.resolved_device,
-                        block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                        kv_cache_memory=cfg.kv_cache_memory, seed=cfg.seed,
-                        stream_delay_s=cfg.debug_stream_delay_ms / 1000, kv_role=role, engine_id=engine_id,
-                        nixl_agent_name=nixl_agent_name,
-                        kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0)
+def worker_config(
+    cfg: Config, role: Role = "colocated", engine_id: str = "", nixl_agent_name: str = ""
+) -> WorkerConfig:
+    return WorkerConfig(
+        cfg.model,
+        dtype=cfg.dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        device=cfg.resolved_device,
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_memory=cfg.kv_cache_memory,
+        seed=cfg.seed,
+        stream_delay_s=cfg.debug_stream_delay_ms / 1000,
+        kv_role=role,
+        engine_id=engine_id,
+        nixl_agent_name=nixl_agent_name,
+        kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0,
+    )
 
 
 def disagg_config(cfg: Config, role: Role, engine_id: str, agent_name: str = "") -> DisaggConfig | None:
     if role == "colocated":
         return None
     if cfg.debug_zero_loaded_blocks and role == "decode":
-        log.warning("DEBUG --debug-zero-loaded-blocks is ON in %s: blocks filled by remote KV loads are zeroed "
-                    "(the pre-fix behaviour); outputs can be wrong", engine_id)
-    return DisaggConfig(role, engine_id, float(cfg.kv_lease_s), cfg.debug_zero_loaded_blocks,
-                        cfg.kv_load_failure_policy, agent_name)
+        log.warning(
+            "DEBUG --debug-zero-loaded-blocks is ON in %s: blocks filled by remote KV loads are zeroed "
+            "(the pre-fix behaviour); outputs can be wrong",
+            engine_id,
+        )
+    return DisaggConfig(
+        role, engine_id, float(cfg.kv_lease_s), cfg.debug_zero_loaded_blocks, cfg.kv_load_failure_policy, agent_name
+    )
 
 
-def make_scheduler(cfg: Config, model_cfg: ModelConfig, layout: CacheLayout,
-                   disagg: DisaggConfig | None = None) -> Scheduler:
+def make_scheduler(
+    cfg: Config, model_cfg: ModelConfig, layout: CacheLayout, disagg: DisaggConfig | None = None
+) -> Scheduler:
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
     kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
@@ -54,11 +70,14 @@ def make_scheduler(cfg: Config, model_cfg: ModelConfig, layout: CacheLayout,
     return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len), disagg)
 
 
-def make_engine(cfg: Config, layout: CacheLayout, executors: list[StepExecutor],
-                disagg: DisaggConfig | None = None) -> EngineCore:
+def make_engine(
+    cfg: Config, layout: CacheLayout, executors: list[StepExecutor], disagg: DisaggConfig | None = None
+) -> EngineCore:
     model_cfg = load_config(cfg.model)
     _, eos = load_generation_config(cfg.model, model_cfg)
-    return EngineCore(make_scheduler(cfg, model_cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting)
+    return EngineCore(
+        make_scheduler(cfg, model_cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting
+    )
 
 
 def build_local_engine(cfg: Config) -> tuple[EngineCore, Worker]:

@@ -71,9 +71,14 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._poller: asyncio.Task[None] | None = None
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, req_id: str | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None,
-                       do_remote_decode: bool = False) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        req_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        do_remote_decode: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until one carries a finish reason. Leaving the
         iteration early (a client went away) aborts the request so its blocks are freed.
         The last two arguments are the disaggregation hand-over (see EngineCore.add_request)."""
@@ -83,8 +88,13 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[req_id] = queue
         try:
-            await self.calls.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params=kv_transfer_params,
-                                         do_remote_decode=do_remote_decode)
+            await self.calls.add_request(
+                req_id,
+                prompt_token_ids,
+                sampling,
+                kv_transfer_params=kv_transfer_params,
+                do_remote_decode=do_remote_decode,
+            )
         except BaseException as e:
             self._queues.pop(req_id, None)
             if not isinstance(e, Exception):

@@ -42,8 +42,14 @@ StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executors: Sequence[StepExecutor], async_scheduling: bool,
-                 eos_token_id: int | None, max_waiting: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executors: Sequence[StepExecutor],
+        async_scheduling: bool,
+        eos_token_id: int | None,
+        max_waiting: int = 1 << 30,
+    ) -> None:
         if not executors:
             raise ValueError("an engine needs at least one worker")
         self.scheduler = scheduler
@@ -62,8 +68,14 @@ class EngineCore:
 
     # -- client side ------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    kv_transfer_params: dict[str, Any] | None = None, do_remote_decode: bool = False) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        do_remote_decode: bool = False,
+    ) -> None:
         """Queue a request; raises InvalidRequestError for one the engine cannot serve.
 
         `do_remote_decode` (prefill engine): compute the prompt but its last token, answer
@@ -87,8 +99,16 @@ class EngineCore:
                 if not prompt:
                     self._publish([self._empty_hand_over(req_id)])
                     return
-            self.scheduler.add_request(Request(req_id, prompt, sampling, self.eos_token_id,
-                                               kv_transfer_params=params, do_remote_decode=do_remote_decode))
+            self.scheduler.add_request(
+                Request(
+                    req_id,
+                    prompt,
+                    sampling,
+                    self.eos_token_id,
+                    kv_transfer_params=params,
+                    do_remote_decode=do_remote_decode,
+                )
+            )
             self.phases.arrived(req_id)
         except (InvalidRequestError, EngineOverloadedError) as e:
             duplicate = getattr(e, "param", None) == "request_id"  # the live request's KV is not ours to drop
@@ -129,11 +149,23 @@ class EngineCore:
         if self._failure is not None:
             raise RuntimeError(f"engine failed: {self._failure!r}")
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.kv.num_blocks, s.kv.num_free_blocks,
-                           s.blocks_zeroed, s.blocks_skipped,
-                           {"steps": self.num_steps, "preemptions": s.num_preemptions, "loading": len(s.loading),
-                            "held_for_decode": s.num_held, "failed_loads": s.num_failed_loads,
-                            "expired_leases": s.num_expired_leases, "phases": self.phases.snapshot()})
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            s.kv.num_blocks,
+            s.kv.num_free_blocks,
+            s.blocks_zeroed,
+            s.blocks_skipped,
+            {
+                "steps": self.num_steps,
+                "preemptions": s.num_preemptions,
+                "loading": len(s.loading),
+                "held_for_decode": s.num_held,
+                "failed_loads": s.num_failed_loads,
+                "expired_leases": s.num_expired_leases,
+                "phases": self.phases.snapshot(),
+            },
+        )
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""
@@ -205,6 +237,15 @@ class EngineCore:
         for req_id in list(self.scheduler.requests):
             out = self.scheduler.abort(req_id)
             if out is not None:
-                failed.append(RequestOutput(req_id, out.new_token_ids, None, "error", out.num_prompt_tokens,
-                                            out.num_output_tokens, error=f"engine failure: {why}"))
+                failed.append(
+                    RequestOutput(
+                        req_id,
+                        out.new_token_ids,
+                        None,
+                        "error",
+                        out.num_prompt_tokens,
+                        out.num_output_tokens,
+                        error=f"engine failure: {why}",
+                    )
+                )
         self._publish(failed)

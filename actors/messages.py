@@ -67,11 +67,17 @@ class SamplingParams:
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer of at least 1"),
             ("temperature", _is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
             ("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
-             f"must be an integer in [0, {MAX_TOP_K}] (0 disables it)"),
+            (
+                "top_k",
+                _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+                f"must be an integer in [0, {MAX_TOP_K}] (0 disables it)",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
-             "must fit a signed 64-bit integer"),
+            (
+                "seed",
+                self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+                "must fit a signed 64-bit integer",
+            ),
         )
         for name, ok, why in checks:
             if not ok:

@@ -10,6 +10,7 @@ against and the `local` accuracy mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch import nn
 from kv.cache_layout import allocate_caches, plan_layout
 from kv.kv_cache_manager import KVCacheManager
 from models.batch import SeqChunk, build_forward_batch
+from models.config import ModelConfig
 
 
 @torch.inference_mode()
@@ -32,7 +34,7 @@ def greedy_generate(
     """Return each prompt's new tokens (EOS excluded). `zero_kv_after_prefill` wipes every
     attention K/V page after the prompt is in, which shows what the model owes to the KV
     a disaggregated deployment transfers."""
-    cfg = model.config
+    cfg = cast(ModelConfig, model.config)
     weight = next(model.parameters())
     max_len = max(len(p) for p in prompts) + max_new_tokens
     layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=1)
@@ -58,7 +60,7 @@ def greedy_generate(
     chunk = prefill_chunk or max_len
     while not all(c == len(p) for c, p in zip(computed, prompts)):
         live = [r for r, p in enumerate(prompts) if computed[r] < len(p)]
-        chunks = [SeqChunk(prompts[r][computed[r]: computed[r] + chunk], computed[r], block_ids[r]) for r in live]
+        chunks = [SeqChunk(prompts[r][computed[r] : computed[r] + chunk], computed[r], block_ids[r]) for r in live]
         logits = model(build_forward_batch(chunks, layout.groups, block_size, weight.device), caches)
         for r, c, row in zip(live, chunks, logits):
             computed[r] += len(c.token_ids)

@@ -56,8 +56,9 @@ class Sampler:
         want_logprobs: bool = False,
     ) -> SampleResult:
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params / "
-                             f"{len(generators)} generators")
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {len(params)} params / {len(generators)} generators"
+            )
         tokens = logits.argmax(dim=-1)
         rows = [r for r, p in enumerate(params) if not p.greedy]
         if rows:

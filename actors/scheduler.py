@@ -35,8 +35,8 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.request import Request, RequestStatus
-from actors.stop import StopChecker
 from actors.scheduler_pd import DisaggConfig, DisaggScheduling
+from actors.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
 from kv.nixl_scheduler import NixlSchedulerConnector
 
@@ -53,14 +53,14 @@ class SchedulerConfig:
 
 
 class Scheduler(DisaggScheduling):
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker,
-                 disagg: DisaggConfig | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker, disagg: DisaggConfig | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
         self.disagg = disagg
-        self.connector = (NixlSchedulerConnector(kv.managers, disagg.lease_s)
-                          if disagg is not None else None)
+        self.connector = NixlSchedulerConnector(kv.managers, disagg.lease_s) if disagg is not None else None
         self.loading: dict[str, Request] = {}  # waiting for their remote KV
         # Loads that ended (or failed, to be recomputed): each owns blocks for its whole prompt,
         # so it is admitted ahead of `waiting`, where a preempted request waiting for memory
@@ -91,8 +91,12 @@ class Scheduler(DisaggScheduling):
     def add_request(self, req: Request) -> None:
         if req.req_id in self._aborted:
             raise InvalidRequestError(f"request {req.req_id!r} was aborted before it arrived")
-        if (req.req_id in self.requests or req.req_id in self.freed or req.req_id in self._held
-                or req.req_id in self.loading):
+        if (
+            req.req_id in self.requests
+            or req.req_id in self.freed
+            or req.req_id in self._held
+            or req.req_id in self.loading
+        ):
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         if not req.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -108,11 +112,14 @@ class Scheduler(DisaggScheduling):
         if total > self.config.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-                f"{total}, beyond the model's context of {self.config.max_model_len} tokens", param="max_tokens")
+                f"{total}, beyond the model's context of {self.config.max_model_len} tokens",
+                param="max_tokens",
+            )
         need = sum(m.num_required_blocks(total) for m in self.kv.managers)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(
-                f"the request needs {need} KV blocks; the cache has {self.kv.num_blocks}", param="max_tokens")
+                f"the request needs {need} KV blocks; the cache has {self.kv.num_blocks}", param="max_tokens"
+            )
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks. On a prefill engine this also drops KV held for
@@ -140,8 +147,14 @@ class Scheduler(DisaggScheduling):
 
     def has_work(self) -> bool:
         """Anything left to schedule or to wait for; an idle engine holds no block."""
-        return bool(self.waiting or self.loaded or self.running or self._needs_polling() or len(self.freed)
-                    or (self.connector is not None and self.connector.has_pending_meta))
+        return bool(
+            self.waiting
+            or self.loaded
+            or self.running
+            or self._needs_polling()
+            or len(self.freed)
+            or (self.connector is not None and self.connector.has_pending_meta)
+        )
 
     # -- scheduling -------------------------------------------------------------------
 
@@ -186,8 +199,12 @@ class Scheduler(DisaggScheduling):
             self.loaded.popleft()
             budget -= n
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) + len(self.loading) + len(self.loaded) < self.config.max_num_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) + len(self.loading) + len(self.loaded) < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
@@ -202,7 +219,10 @@ class Scheduler(DisaggScheduling):
                 if external > 0 and self.connector.lease_ok(params):
                     # Blocks for the whole prompt: once loaded, the request can always compute
                     # its last prompt token without waiting for memory held by others.
-                    if self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit) is None:
+                    if (
+                        self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit)
+                        is None
+                    ):
                         break
                     self.waiting.popleft()
                     self._start_remote_load(req, hit, external, step)
@@ -230,8 +250,17 @@ class Scheduler(DisaggScheduling):
         finished, self._finished_for_workers = self._finished_for_workers, []
         return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(step), meta)
 
-    def _admit(self, req: Request, hit: int, fresh_hit: int, budget: int, step: int, new_reqs: list[NewRequestData],
-               cached: list[CachedRequestData], tokens: dict[str, int]) -> int:
+    def _admit(
+        self,
+        req: Request,
+        hit: int,
+        fresh_hit: int,
+        budget: int,
+        step: int,
+        new_reqs: list[NewRequestData],
+        cached: list[CachedRequestData],
+        tokens: dict[str, int],
+    ) -> int:
         """Start running a queued request from `hit` computed tokens (`fresh_hit` of them a
         prefix-cache hit just found); the tokens scheduled, or 0 (nothing changed) if its blocks
         do not fit."""
@@ -335,8 +364,9 @@ class Scheduler(DisaggScheduling):
         self.freed.reported(out.step_id)
         return self.take_outputs() + outputs
 
-    def _worker_failed(self, out: SchedulerOutput, starts: dict[str, int], req_id: str,
-                       why: str) -> list[RequestOutput]:
+    def _worker_failed(
+        self, out: SchedulerOutput, starts: dict[str, int], req_id: str, why: str
+    ) -> list[RequestOutput]:
         """A request the worker could not run fails alone. The blocks it was to fill in that
         step were published to the prefix cache when the step was scheduled: withdraw them,
         and fail whoever already took them as a hit."""
@@ -361,11 +391,12 @@ class Scheduler(DisaggScheduling):
         return [self._output(req)]
 
     def _output(self, req: Request) -> RequestOutput:
-        new = req.output_token_ids[req.num_emitted:]
-        logprobs = req.output_logprobs[req.num_emitted:] if req.sampling.logprobs else None
+        new = req.output_token_ids[req.num_emitted :]
+        logprobs = req.output_logprobs[req.num_emitted :] if req.sampling.logprobs else None
         req.num_emitted = len(req.output_token_ids)
-        return RequestOutput(req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens,
-                             len(req.output_token_ids), req.error)
+        return RequestOutput(
+            req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens, len(req.output_token_ids), req.error
+        )
 
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -374,8 +405,12 @@ class Scheduler(DisaggScheduling):
             self.loaded.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if (self.connector is not None and req.kv_transfer_params is not None and not req.load_done
-                and req.req_id not in self.loading):  # a READ in flight notifies when it ends
+        if (
+            self.connector is not None
+            and req.kv_transfer_params is not None
+            and not req.load_done
+            and req.req_id not in self.loading
+        ):  # a READ in flight notifies when it ends
             self.connector.notify_abandoned(req.kv_transfer_params)  # never read: free it now
             req.load_done = True
         req.status = RequestStatus.FINISHED

@@ -21,8 +21,13 @@ from serve.config import Config
 
 
 class SchedulerActor:
-    def __init__(self, config: dict[str, Any], role: Role = "colocated", engine_id: str = "engine-0",
-                 worker_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        role: Role = "colocated",
+        engine_id: str = "engine-0",
+        worker_options: dict[str, Any] | None = None,
+    ) -> None:
         """`worker_options` are the worker actor's `.options(...)` (serve/placement.py). The worker
         prefers this actor's node, since they talk every step; Ray places it elsewhere if this node
         lacks what it asks for (a GPU)."""
@@ -34,7 +39,8 @@ class SchedulerActor:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.workers = [
             RemoteWorker.options(scheduling_strategy=here, **(worker_options or {})).remote(
-                worker_config(self.config, role, engine_id, agent_name), num_threads=self.config.worker_threads)
+                worker_config(self.config, role, engine_id, agent_name), num_threads=self.config.worker_threads
+            )
         ]
         layout = ray.get(self.workers[0].layout.remote())
         disagg = disagg_config(self.config, role, engine_id, agent_name)
@@ -50,8 +56,14 @@ class SchedulerActor:
     async def add_nixl_peers(self, peers: list[PeerInfo]) -> None:
         await asyncio.gather(*(w.add_nixl_peer.remote(p) for w in self.workers for p in peers))
 
-    async def add_request(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                          kv_transfer_params: dict[str, Any] | None = None, do_remote_decode: bool = False) -> None:
+    async def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        do_remote_decode: bool = False,
+    ) -> None:
         self.core.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params, do_remote_decode)
 
     async def abort(self, req_id: str) -> None:

@@ -67,16 +67,24 @@ class DisaggScheduling:
         if self.connector is None:
             raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
         if params.num_tokens >= req.num_prompt_tokens:
-            raise InvalidRequestError(f"kv_transfer_params cover {params.num_tokens} tokens of a "
-                                      f"{req.num_prompt_tokens}-token prompt", param="kv_transfer_params")
+            raise InvalidRequestError(
+                f"kv_transfer_params cover {params.num_tokens} tokens of a {req.num_prompt_tokens}-token prompt",
+                param="kv_transfer_params",
+            )
         if len(params.remote_block_ids) != len(self.kv.groups):
-            raise InvalidRequestError(f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
-                                      f"this model has {len(self.kv.groups)}", param="kv_transfer_params")
+            raise InvalidRequestError(
+                f"kv_transfer_params name {len(params.remote_block_ids)} cache groups, "
+                f"this model has {len(self.kv.groups)}",
+                param="kv_transfer_params",
+            )
         for group, manager, ids in zip(self.kv.groups, self.kv.managers, params.remote_block_ids):
             need = manager.num_required_blocks(params.num_tokens)
             if len(ids) != need:
-                raise InvalidRequestError(f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
-                                          f"{params.num_tokens} tokens, expected {need}", param="kv_transfer_params")
+                raise InvalidRequestError(
+                    f"kv_transfer_params give {len(ids)} {group.kind} blocks for "
+                    f"{params.num_tokens} tokens, expected {need}",
+                    param="kv_transfer_params",
+                )
 
     def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
         """The fix (docs/design.md §2): the blocks this load fills stay out of the zero list."""
@@ -89,14 +97,20 @@ class DisaggScheduling:
         assert self.disagg is not None
         if not self.disagg.debug_zero_loaded_blocks:
             self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
-        self.connector.update_state_after_alloc(req.req_id, req.kv_transfer_params,
-                                                self.kv.get_block_ids(req.req_id), hit, external)
+        self.connector.update_state_after_alloc(
+            req.req_id, req.kv_transfer_params, self.kv.get_block_ids(req.req_id), hit, external
+        )
 
     def _hand_over(self, req: Request) -> RequestOutput:
         """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
         assert self.connector is not None and self.disagg is not None
-        params = self.connector.request_finished(req.req_id, self.disagg.engine_id, self.disagg.agent_name,
-                                                 self.kv.get_block_ids(req.req_id), req.num_prompt_tokens)
+        params = self.connector.request_finished(
+            req.req_id,
+            self.disagg.engine_id,
+            self.disagg.agent_name,
+            self.kv.get_block_ids(req.req_id),
+            req.num_prompt_tokens,
+        )
         self._held[req.req_id] = req.last_step
         self._finish(req, "length", keep_blocks=True)
         out = self._output(req)
@@ -138,7 +152,8 @@ class DisaggScheduling:
             # The READ ended too close to the lease's end: the pages may have been reused.
             self.num_expired_leases += 1
             bad_blocks = self.kv.get_zeroing_block_ids_in_range(
-                req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens)
+                req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens
+            )
             why = "its KV lease at the prefill engine expired during the load"
         if why is None:
             req.num_computed_tokens += req.num_external_tokens
@@ -175,4 +190,3 @@ class DisaggScheduling:
                 first_bad = next((i for i, b in enumerate(ids) if b in bad), len(ids))
                 end = min(end, first_bad * self.kv.block_size)
         return end
-

@@ -31,7 +31,7 @@ class StopChecker:
             return False
         # Only the tail can contain a stop string that the newest token completed.
         longest = max(len(s) for s in req.sampling.stop)
-        tail = self.tokenizer.decode(req.output_token_ids[-(longest + 8):], skip_special_tokens=False)
+        tail = self.tokenizer.decode(req.output_token_ids[-(longest + 8) :], skip_special_tokens=False)
         return any(s in tail for s in req.sampling.stop)
 
 

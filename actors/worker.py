@@ -101,9 +101,19 @@ class Worker:
         self._stream = ComputeStream(self.device, cfg.stream_delay_s)
         # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
         # decode worker reads.
-        self.connector = (None if cfg.kv_role == "colocated" else NixlWorkerConnector(
-            cfg.engine_id, self.buffers, self._layout.page_bytes, self._layout.num_blocks,
-            agent_name=cfg.nixl_agent_name or None, fail_fraction=cfg.kv_fail_fraction, fail_seed=cfg.seed))
+        self.connector = (
+            None
+            if cfg.kv_role == "colocated"
+            else NixlWorkerConnector(
+                cfg.engine_id,
+                self.buffers,
+                self._layout.page_bytes,
+                self._layout.num_blocks,
+                agent_name=cfg.nixl_agent_name or None,
+                fail_fraction=cfg.kv_fail_fraction,
+                fail_seed=cfg.seed,
+            )
+        )
         self._faults_to_inject = 0
 
     def inject_faults(self, num_steps: int) -> None:
@@ -143,8 +153,12 @@ class Worker:
         if self.connector is None:
             return result
         done = self.connector.get_finished()
-        return dataclasses.replace(result, finished_sending=sorted(done.done_sending),
-                                   finished_recving=sorted(done.done_recving), failed_loads=done.failed)
+        return dataclasses.replace(
+            result,
+            finished_sending=sorted(done.done_sending),
+            finished_recving=sorted(done.done_recving),
+            failed_loads=done.failed,
+        )
 
     def transfer_stats(self) -> TransferStats | None:
         """The connector's KV-load counters; None for a colocated worker."""
@@ -199,8 +213,9 @@ class Worker:
                 logprobs[ids[r]] = logprob
         return sampled, logprobs
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str], rows: list[int],
-                failed: dict[str, str]) -> list[tuple[int, int, float | None]]:
+    def _sample(
+        self, logits: torch.Tensor, req_ids: list[str], rows: list[int], failed: dict[str, str]
+    ) -> list[tuple[int, int, float | None]]:
         """(row, token, logprob) per sampled row. If the batch cannot be sampled, each row is
         sampled alone so that one bad request fails without the others."""
         if not rows:
@@ -217,14 +232,18 @@ class Worker:
                 self._drop(failed, req_id, f"sampling failed: {e!r}")
         return results
 
-    def _sample_rows(self, logits: torch.Tensor, req_ids: list[str],
-                     rows: list[int]) -> list[tuple[int, int, float | None]]:
+    def _sample_rows(
+        self, logits: torch.Tensor, req_ids: list[str], rows: list[int]
+    ) -> list[tuple[int, int, float | None]]:
         states = [self.requests[r] for r in req_ids]
         want = [s.sampling.logprobs for s in states]
-        result = self.sampler.sample(logits[rows], [s.sampling for s in states], [s.generator for s in states],
-                                     want_logprobs=any(want))
-        return [(r, result.token_ids[i], result.logprobs[i] if want[i] and result.logprobs is not None else None)
-                for i, r in enumerate(rows)]
+        result = self.sampler.sample(
+            logits[rows], [s.sampling for s in states], [s.generator for s in states], want_logprobs=any(want)
+        )
+        return [
+            (r, result.token_ids[i], result.logprobs[i] if want[i] and result.logprobs is not None else None)
+            for i, r in enumerate(rows)
+        ]
 
     def _drop(self, failed: dict[str, str], req_id: str, why: str) -> None:
         failed[req_id] = why
@@ -263,8 +282,11 @@ class Worker:
             raise ValueError(f"{step}: blocks to zero {bad_zero} outside [0, {self._layout.num_blocks})")
         failed: dict[str, str] = {}
         # (tokens known, tokens computed) of every request this step may name, after its updates
-        span = {req_id: (len(s.tokens), s.num_computed) for req_id, s in self.requests.items()
-                if req_id not in out.finished_req_ids}
+        span = {
+            req_id: (len(s.tokens), s.num_computed)
+            for req_id, s in self.requests.items()
+            if req_id not in out.finished_req_ids
+        }
         for new in out.new_reqs:
             if new.req_id in span:
                 failed[new.req_id] = f"{step}: new request {new.req_id!r} is already running"
@@ -274,8 +296,10 @@ class Worker:
             span[new.req_id] = (len(new.prompt_token_ids), new.num_computed_tokens)
         for cached in out.cached_reqs:
             if cached.req_id not in span:
-                failed[cached.req_id] = (f"{step}: cached request {cached.req_id!r} is unknown to the worker "
-                                         "(never sent as new, or already failed)")
+                failed[cached.req_id] = (
+                    f"{step}: cached request {cached.req_id!r} is unknown to the worker "
+                    "(never sent as new, or already failed)"
+                )
                 continue
             if why := self._check_blocks(step, cached.req_id, cached.new_block_ids):
                 failed[cached.req_id] = why
@@ -288,18 +312,27 @@ class Worker:
                 continue
             known, computed = span[req_id]
             if n < 1 or computed < 0 or computed + n > known:
-                failed[req_id] = (f"{step}: request {req_id!r} is scheduled tokens [{computed}, {computed + n}) but "
-                                  f"the worker knows {known} (was the previous step's token sampled elsewhere?)")
+                failed[req_id] = (
+                    f"{step}: request {req_id!r} is scheduled tokens [{computed}, {computed + n}) but "
+                    f"the worker knows {known} (was the previous step's token sampled elsewhere?)"
+                )
         return failed
 
     def _new_state(self, new: NewRequestData) -> RequestState:
-        return RequestState(list(new.prompt_token_ids), [list(ids) for ids in new.block_ids], new.sampling,
-                            self.sampler.generator_for(new.sampling), new.num_computed_tokens)
+        return RequestState(
+            list(new.prompt_token_ids),
+            [list(ids) for ids in new.block_ids],
+            new.sampling,
+            self.sampler.generator_for(new.sampling),
+            new.num_computed_tokens,
+        )
 
     def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:
         if len(block_ids) != len(self._layout.groups):
-            return (f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups, "
-                    f"the model has {len(self._layout.groups)}")
+            return (
+                f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups, "
+                f"the model has {len(self._layout.groups)}"
+            )
         bad = [b for ids in block_ids for b in ids if not 0 <= b < self._layout.num_blocks]
         if bad:
             return f"{step}: request {req_id!r} names blocks {bad} outside [0, {self._layout.num_blocks})"

@@ -51,11 +51,14 @@ class WorkerActor:
         if out.step_id > self._next_step:
             async with self._turn:
                 try:
-                    await asyncio.wait_for(self._turn.wait_for(lambda: self._next_step == out.step_id),
-                                           self._step_wait_s)
+                    await asyncio.wait_for(
+                        self._turn.wait_for(lambda: self._next_step == out.step_id), self._step_wait_s
+                    )
                 except TimeoutError:
-                    raise TimeoutError(f"step {out.step_id} waited {self._step_wait_s}s for step "
-                                       f"{self._next_step}, which never arrived") from None
+                    raise TimeoutError(
+                        f"step {out.step_id} waited {self._step_wait_s}s for step "
+                        f"{self._next_step}, which never arrived"
+                    ) from None
         future = self._worker.execute_model(out)
         self._next_step = out.step_id + 1
         async with self._turn:

@@ -125,11 +125,16 @@ class _Server:
         if not ids:
             raise InvalidRequestError("the prompt is empty (it has no tokens)", param=prompt_param)
         if len(ids) >= limit:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the model's context is {limit}, "
-                                      "and at least one is for the output", param=prompt_param)
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the model's context is {limit}, and at least one is for the output",
+                param=prompt_param,
+            )
         if len(ids) + max_tokens > limit:
-            raise InvalidRequestError(f"the prompt ({len(ids)} tokens) plus {max_tokens_param} ({max_tokens}) is "
-                                      f"beyond the model's context of {limit} tokens", param=max_tokens_param)
+            raise InvalidRequestError(
+                f"the prompt ({len(ids)} tokens) plus {max_tokens_param} ({max_tokens}) is "
+                f"beyond the model's context of {limit} tokens",
+                param=max_tokens_param,
+            )
 
     @staticmethod
     def _choice(index: int, ids: list[int], sampling: SamplingParams, nth: int) -> Choice:
@@ -138,8 +143,9 @@ class _Server:
             sampling = replace(sampling, seed=_wrap_seed(sampling.seed + nth))
         return Choice(index, ids, sampling, counts_prompt=nth == 0)
 
-    async def run(self, request: Request, fmt: Format, choices: list[Choice], stream: bool,
-                  include_usage: bool) -> Response:
+    async def run(
+        self, request: Request, fmt: Format, choices: list[Choice], stream: bool, include_usage: bool
+    ) -> Response:
         endpoint = request.url.path
         deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
         if stream:
@@ -156,8 +162,9 @@ class _Server:
             return Response(status_code=499)  # nobody is listening any more
         return _json(fmt.response(collected))
 
-    async def _events(self, endpoint: str, fmt: Format, deltas: AsyncGenerator[Delta, None], num_choices: int,
-                      include_usage: bool) -> AsyncGenerator[str, None]:
+    async def _events(
+        self, endpoint: str, fmt: Format, deltas: AsyncGenerator[Delta, None], num_choices: int, include_usage: bool
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events; a client that goes away closes this generator, which aborts its requests."""
         outcome, error = "aborted", None
         finals: list[Delta] = []
@@ -195,8 +202,9 @@ def _auth(key: str) -> Any:
     return Depends(check)
 
 
-def create_app(cfg: Config, router: Router, model: TextModel | None = None,
-               background: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+def create_app(
+    cfg: Config, router: Router, model: TextModel | None = None, background: Callable[[], Awaitable[None]] | None = None
+) -> FastAPI:
     """The app for `cfg`'s model, serving through `router` (closed when the app shuts down);
     `model` defaults to loading cfg.model's tokenizer and templates; `background` runs while
     the app does (the engine supervisor)."""

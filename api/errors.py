@@ -28,8 +28,15 @@ RETRY_AFTER_S = 1
 class APIError(Exception):
     """An error with its HTTP status and OpenAI's `type`, `param` and `code`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -50,8 +57,12 @@ def model_not_found(name: str | None) -> APIError:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Incorrect or missing API key; pass it as `Authorization: Bearer <key>`.",
-                    type="authentication_error", code="invalid_api_key")
+    return APIError(
+        401,
+        "Incorrect or missing API key; pass it as `Authorization: Bearer <key>`.",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -67,11 +78,21 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, TemplateError):
         return APIError(400, str(exc), param="messages")
     if isinstance(exc, RayActorError):  # an engine died; its supervisor is bringing it back
-        return APIError(503, "An engine is restarting; retry shortly.", type="service_unavailable_error",
-                        code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            503,
+            "An engine is restarting; retry shortly.",
+            type="service_unavailable_error",
+            code="engine_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, EngineOverloadedError):
-        return APIError(503, f"The server is overloaded: {exc}", type="service_unavailable_error",
-                        code="engine_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            503,
+            f"The server is overloaded: {exc}",
+            type="service_unavailable_error",
+            code="engine_overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     log.error("unexpected error", exc_info=exc)
     return APIError(500, f"Internal server error ({type(exc).__name__}).", type="server_error")
 
@@ -91,12 +112,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     error = _most_specific(errors)
     # The path without "body" and without pydantic's names of union members
     # ("list[int]", "function-after[...]"): fields and list indices, as the client wrote them.
-    loc = [str(part) for part in error.get("loc", ())
-           if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
+    loc = [
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body" and (isinstance(part, int) or str(part).isidentifier())
+    ]
     # `param` names the request field; the message gives the path into lists and objects.
     where = ".".join(loc)
-    return APIError(400, f"{where}: {error.get('msg')}" if where else str(error.get("msg")),
-                    param=loc[0] if loc else None)
+    return APIError(
+        400, f"{where}: {error.get('msg')}" if where else str(error.get("msg")), param=loc[0] if loc else None
+    )
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None]) -> None:

@@ -46,8 +46,17 @@ def _joined(deltas: Iterable[Delta]) -> list[Delta]:
         parts = by_index[index]
         logprobs = [lp for d in parts for lp in d.logprobs or ()]
         last = parts[-1]
-        joined.append(Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
-                            logprobs or None, last.finish_reason, last.prompt_tokens, last.completion_tokens))
+        joined.append(
+            Delta(
+                index,
+                "".join(d.text for d in parts),
+                [t for d in parts for t in d.token_ids],
+                logprobs or None,
+                last.finish_reason,
+                last.prompt_tokens,
+                last.completion_tokens,
+            )
+        )
     return joined
 
 
@@ -88,8 +97,9 @@ class CompletionFormat(Format):
         return CompletionLogprobs(tokens=tokens, token_logprobs=list(delta.logprobs), text_offset=offsets)
 
     def _choice(self, delta: Delta) -> CompletionChoice:
-        return CompletionChoice(index=delta.index, text=delta.text, logprobs=self._logprobs(delta),
-                                finish_reason=delta.finish_reason)
+        return CompletionChoice(
+            index=delta.index, text=delta.text, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+        )
 
     def chunk(self, delta: Delta) -> BaseModel:
         return Completion(id=self.req_id, model=self.model_name, choices=[self._choice(delta)])
@@ -98,8 +108,12 @@ class CompletionFormat(Format):
         return Completion(id=self.req_id, model=self.model_name, choices=[], usage=usage)
 
     def response(self, deltas: list[Delta]) -> BaseModel:
-        return Completion(id=self.req_id, model=self.model_name, choices=[self._choice(d) for d in _joined(deltas)],
-                          usage=usage_of(deltas))
+        return Completion(
+            id=self.req_id,
+            model=self.model_name,
+            choices=[self._choice(d) for d in _joined(deltas)],
+            usage=usage_of(deltas),
+        )
 
 
 class ChatFormat(Format):
@@ -114,18 +128,35 @@ class ChatFormat(Format):
 
     def opening_chunks(self, num_choices: int) -> list[BaseModel]:
         # OpenAI's first chunk of each choice names the role.
-        return [ChatCompletionChunk(id=self.req_id, model=self.model_name, choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(num_choices)]
+        return [
+            ChatCompletionChunk(
+                id=self.req_id,
+                model=self.model_name,
+                choices=[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+            )
+            for i in range(num_choices)
+        ]
 
     def chunk(self, delta: Delta) -> BaseModel:
-        choice = ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
-                                 logprobs=self._logprobs(delta), finish_reason=delta.finish_reason)
+        choice = ChatChunkChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=self._logprobs(delta),
+            finish_reason=delta.finish_reason,
+        )
         return ChatCompletionChunk(id=self.req_id, model=self.model_name, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(id=self.req_id, model=self.model_name, choices=[], usage=usage)
 
     def response(self, deltas: list[Delta]) -> BaseModel:
-        choices = [ChatChoice(index=d.index, message=AssistantMessage(content=d.text), logprobs=self._logprobs(d),
-                              finish_reason=d.finish_reason) for d in _joined(deltas)]
+        choices = [
+            ChatChoice(
+                index=d.index,
+                message=AssistantMessage(content=d.text),
+                logprobs=self._logprobs(d),
+                finish_reason=d.finish_reason,
+            )
+            for d in _joined(deltas)
+        ]
         return ChatCompletion(id=self.req_id, model=self.model_name, choices=choices, usage=usage_of(deltas))

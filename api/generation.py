@@ -46,8 +46,14 @@ class Delta:
 
 
 class ChoiceStream:
-    def __init__(self, outputs: AsyncGenerator[RequestOutput, None], choice: Choice, model: TextModel,
-                 metrics: Metrics, arrival: float) -> None:
+    def __init__(
+        self,
+        outputs: AsyncGenerator[RequestOutput, None],
+        choice: Choice,
+        model: TextModel,
+        metrics: Metrics,
+        arrival: float,
+    ) -> None:
         self._outputs = outputs
         self._choice = choice
         self._detok = Detokenizer(model, choice.prompt_ids, skip_eos=not choice.sampling.ignore_eos)
@@ -83,8 +89,7 @@ class ChoiceStream:
 
     def _delta(self, out: RequestOutput) -> Delta:
         if out.finish_reason in ("error", "abort"):
-            raise APIError(500, f"The engine failed the request: {out.error or out.finish_reason}",
-                           type="server_error")
+            raise APIError(500, f"The engine failed the request: {out.error or out.finish_reason}", type="server_error")
         self._timer.tokens(len(out.new_token_ids))
         final = out.finish_reason is not None
         text = self._stop.push(self._detok.push(out.new_token_ids, final), final)
@@ -93,17 +98,21 @@ class ChoiceStream:
         if finish is None:
             return Delta(self._choice.index, text, out.new_token_ids, out.logprobs)
         prompt_tokens = out.num_prompt_tokens if self._choice.counts_prompt else 0
-        return Delta(self._choice.index, text, out.new_token_ids, out.logprobs, finish, prompt_tokens,
-                     out.num_output_tokens)
+        return Delta(
+            self._choice.index, text, out.new_token_ids, out.logprobs, finish, prompt_tokens, out.num_output_tokens
+        )
 
 
-async def start(router: Router, model: TextModel, metrics: Metrics, choices: list[Choice],
-                req_id: str) -> AsyncGenerator[Delta, None]:
+async def start(
+    router: Router, model: TextModel, metrics: Metrics, choices: list[Choice], req_id: str
+) -> AsyncGenerator[Delta, None]:
     """Submit every choice; return their merged deltas once each has its first output, or raise
     what the engine refused (after aborting the choices it accepted)."""
     arrival = time.monotonic()
-    streams = [ChoiceStream(router.generate(c.prompt_ids, c.sampling, f"{req_id}-{c.index}"), c, model, metrics,
-                            arrival) for c in choices]
+    streams = [
+        ChoiceStream(router.generate(c.prompt_ids, c.sampling, f"{req_id}-{c.index}"), c, model, metrics, arrival)
+        for c in choices
+    ]
     # return_exceptions: each stream is idle before the failed ones are closed.
     results = await asyncio.gather(*(s.first() for s in streams), return_exceptions=True)
     failure = next((r for r in results if isinstance(r, BaseException)), None)

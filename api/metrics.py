@@ -36,18 +36,42 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families = (
-            (GaugeMetricFamily, "raypd_num_requests_running", "Requests the engine is running.",
-             lambda s: s.num_running),
-            (GaugeMetricFamily, "raypd_num_requests_waiting", "Requests waiting for the engine to take them.",
-             lambda s: s.num_waiting),
-            (GaugeMetricFamily, "raypd_kv_blocks_in_use", "KV cache blocks allocated (0 when idle).",
-             lambda s: s.num_blocks_total - s.num_blocks_free),
-            (GaugeMetricFamily, "raypd_kv_blocks_capacity", "KV cache blocks in the engine's pool (total).",
-             lambda s: s.num_blocks_total),
-            (CounterMetricFamily, "raypd_kv_blocks_zeroed", "Attention blocks zeroed on allocation.",
-             lambda s: s.blocks_zeroed),
-            (CounterMetricFamily, "raypd_kv_blocks_zero_skipped",
-             "Newly allocated attention blocks not zeroed because a KV load covers them.", lambda s: s.blocks_skipped),
+            (
+                GaugeMetricFamily,
+                "raypd_num_requests_running",
+                "Requests the engine is running.",
+                lambda s: s.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "raypd_num_requests_waiting",
+                "Requests waiting for the engine to take them.",
+                lambda s: s.num_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "raypd_kv_blocks_in_use",
+                "KV cache blocks allocated (0 when idle).",
+                lambda s: s.num_blocks_total - s.num_blocks_free,
+            ),
+            (
+                GaugeMetricFamily,
+                "raypd_kv_blocks_capacity",
+                "KV cache blocks in the engine's pool (total).",
+                lambda s: s.num_blocks_total,
+            ),
+            (
+                CounterMetricFamily,
+                "raypd_kv_blocks_zeroed",
+                "Attention blocks zeroed on allocation.",
+                lambda s: s.blocks_zeroed,
+            ),
+            (
+                CounterMetricFamily,
+                "raypd_kv_blocks_zero_skipped",
+                "Newly allocated attention blocks not zeroed because a KV load covers them.",
+                lambda s: s.blocks_skipped,
+            ),
         )
         for family, name, doc, value in families:
             metric = family(name, doc, labels=["engine"])
@@ -59,17 +83,26 @@ class _EngineCollector(Collector):
 
     def _kv_transfers(self) -> Iterator[Metric]:
         """The NIXL connector's loads, summed over an engine's workers (decode engines load)."""
-        seconds = HistogramMetricFamily("raypd_kv_transfer_seconds", "Time of a KV load from posting the "
-                                        "NIXL READ to its completion.", labels=["engine"])
+        seconds = HistogramMetricFamily(
+            "raypd_kv_transfer_seconds",
+            "Time of a KV load from posting the NIXL READ to its completion.",
+            labels=["engine"],
+        )
         counters = (
             ("raypd_kv_transfer_bytes", "Bytes moved by completed KV loads.", lambda t: t.bytes),
-            ("raypd_kv_transfer_descriptors", "Pages (NIXL descriptors) moved by completed KV loads.",
-             lambda t: t.descriptors),
+            (
+                "raypd_kv_transfer_descriptors",
+                "Pages (NIXL descriptors) moved by completed KV loads.",
+                lambda t: t.descriptors,
+            ),
             ("raypd_kv_transfer_failed", "KV loads that left blocks unread.", lambda t: t.failed),
         )
         families = [(CounterMetricFamily(name, doc, labels=["engine"]), value) for name, doc, value in counters]
-        expired = CounterMetricFamily("raypd_kv_lease_expired", "KV loads given up because the prefill "
-                                      "engine's lease on the KV ran out first.", labels=["engine"])
+        expired = CounterMetricFamily(
+            "raypd_kv_lease_expired",
+            "KV loads given up because the prefill engine's lease on the KV ran out first.",
+            labels=["engine"],
+        )
         for engine, stats in self.snapshot.items():
             transfers: list[transfer_stats.TransferStats] = stats.extra.get("kv_transfer", [])
             if transfers:
@@ -84,9 +117,11 @@ class _EngineCollector(Collector):
     def _phases(self) -> Iterator[Metric]:
         """Where requests spent their time inside each engine (actors/phases.py)."""
         for phase in PHASES:
-            family = HistogramMetricFamily(f"raypd_request_{phase}_time_seconds",
-                                           f"Time requests spent in the {phase} phase in an engine.",
-                                           labels=["engine"])
+            family = HistogramMetricFamily(
+                f"raypd_request_{phase}_time_seconds",
+                f"Time requests spent in the {phase} phase in an engine.",
+                labels=["engine"],
+            )
             for engine, stats in self.snapshot.items():
                 if (histogram := stats.extra.get("phases", {}).get(phase)) is not None:
                     _add_histogram(family, engine, [histogram])
@@ -103,14 +138,30 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("raypd_requests", "HTTP requests to the generation endpoints by outcome.",
-                                ["endpoint", "outcome"], registry=r)
-        self.ttft = Histogram("raypd_time_to_first_token_seconds", "Time from a request's arrival to its "
-                              "first token.", buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("raypd_inter_token_latency_seconds", "Time between consecutive output tokens "
-                             "of a request.", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("raypd_e2e_request_latency_seconds", "Time from a request's arrival to its last "
-                             "token.", buckets=_E2E_BUCKETS, registry=r)
+        self.requests = Counter(
+            "raypd_requests",
+            "HTTP requests to the generation endpoints by outcome.",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "raypd_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "raypd_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "raypd_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("raypd_prompt_tokens", "Prompt tokens of requests served.", registry=r)
         self.generation_tokens = Counter("raypd_generation_tokens", "Tokens generated.", registry=r)
         self._engines = _EngineCollector()

@@ -97,14 +97,22 @@ class _SamplingRequest(_Request):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if top_k == -1 else top_k,
-            seed=self.seed, stop=tuple(stop), ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
         params.validate()
         return params
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -112,8 +120,9 @@ class CompletionRequest(_SamplingRequest):
         p = self.prompt
         prompts = cast("list[str | list[int]]", [p] if isinstance(p, str) or isinstance(p[0], int) else p)
         if len(prompts) * self.num_choices > MAX_CHOICES:
-            raise InvalidRequestError(f"{len(prompts)} prompts with n={self.num_choices} are more than "
-                                      f"{MAX_CHOICES} choices", param="n")
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts with n={self.num_choices} are more than {MAX_CHOICES} choices", param="n"
+            )
         return list(prompts)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from contextlib import aclosing
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,9 @@ class Router(ABC):
         self.engines = list(engines)
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs until one carries a finish reason; leaving early aborts it."""
 
     async def stats(self, timeout_s: float) -> dict[str, EngineStats]:
@@ -86,7 +88,9 @@ class RoundRobinRouter(Router):
         super().__init__(engines)
         self._turn = itertools.cycle(self.engines)
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams, req_id: str) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
         return next(self._turn).client.generate(prompt_ids, sampling, req_id)
 
 
@@ -102,8 +106,9 @@ class PDRouter(Router):
         self._prefill = itertools.cycle(prefill)
         self._decode = itertools.cycle(decode)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       req_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
         prefill = next(self._prefill).client
         handed_over: RequestOutput | None = None
         async for out in prefill.generate(prompt_ids, sampling, req_id, do_remote_decode=True):
@@ -115,7 +120,8 @@ class PDRouter(Router):
         # the prefill side it never will (an abort, a refusal, a local hit), or the lease ends.
         # Freeing them from here could race a READ the decode engine has already posted.
         decode = next(self._decode).client
-        async with aclosing(decode.generate(prompt_ids, sampling, req_id,
-                                            kv_transfer_params=handed_over.kv_transfer_params)) as stream:
+        async with aclosing(
+            decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
+        ) as stream:
             async for out in stream:
                 yield out

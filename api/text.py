@@ -52,8 +52,14 @@ class TextModel:
         jinja = path / "chat_template.jinja"
         template = jinja.read_text() if jinja.exists() else tok_cfg.get("chat_template")
         special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := tok_cfg.get(k), str)}
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, eos,
-                   max_model_len or model_cfg.max_position_embeddings, model_cfg.vocab_size, special)
+        return cls(
+            Tokenizer.from_file(str(path / "tokenizer.json")),
+            template,
+            eos,
+            max_model_len or model_cfg.max_position_embeddings,
+            model_cfg.vocab_size,
+            special,
+        )
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
@@ -62,8 +68,9 @@ class TextModel:
         """Token ids from a client, checked before they can reach (and crash) the model."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
+            )
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -82,12 +89,14 @@ class TextModel:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens)
+                messages=messages, add_generation_prompt=True, **self.special_tokens
+            )
         except jinja2.TemplateError as e:
             raise TemplateError(f"cannot render the chat template: {e}") from None
 
@@ -110,12 +119,12 @@ class Detokenizer:
         # EOS ends a generation; it is counted in usage but is not text.
         self._ids.extend(t for t in token_ids if t != self._skip)
         decode = self._model.tokenizer.decode
-        before = decode(self._ids[self._prefix:self._read])
-        text = decode(self._ids[self._prefix:])
+        before = decode(self._ids[self._prefix : self._read])
+        text = decode(self._ids[self._prefix :])
         if len(text) <= len(before) or (text.endswith(_INCOMPLETE) and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before):]
+        return text[len(before) :]
 
 
 class StopBuffer:
@@ -131,13 +140,13 @@ class StopBuffer:
         self.text += new
         if self.stop:
             # A stop string cannot start in text already sent: its start would have been held back.
-            unsent = self.text[self.sent:]
+            unsent = self.text[self.sent :]
             cut = truncate_at_stop(unsent, self.stop)
             if len(cut) < len(unsent):
-                self.text = self.text[:self.sent] + cut
+                self.text = self.text[: self.sent] + cut
                 self.stopped = final = True
         end = len(self.text) if final else len(self.text) - self._held()
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
 

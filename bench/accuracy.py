@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -30,12 +31,12 @@ import torch
 from tokenizers import Tokenizer
 
 from actors.messages import SamplingParams
-from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from actors.reference import greedy_generate
+from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from models.loader import load_config, load_generation_config, load_model
-from serve.engines import NAMESPACE, start_engines
 from serve.config import Config
 from serve.config import parse_args as parse_serve_args
+from serve.engines import NAMESPACE, start_engines
 
 # (args, prompts, max_new_tokens) -> completions, EOS excluded.
 Backend = Callable[[argparse.Namespace, list[str], int], list[str]]
@@ -54,7 +55,10 @@ def complete_local(args: argparse.Namespace, prompts: list[str], max_new_tokens:
     completions: list[str] = []
     for start in range(0, len(ids), args.batch_size):
         outputs = greedy_generate(
-            loaded.model, ids[start : start + args.batch_size], max_new_tokens, loaded.eos_token_id,
+            loaded.model,
+            ids[start : start + args.batch_size],
+            max_new_tokens,
+            loaded.eos_token_id,
             zero_kv_after_prefill=args.zero_kv_after_prefill,
         )
         completions += [loaded.tokenizer.decode(out) for out in outputs]
@@ -69,8 +73,14 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
     elif args.mode == "colocated":
         cfg = dataclasses.replace(cfg, prefill=0)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    ray.init(address="local", namespace=NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
-             include_dashboard=False, log_to_driver=False, logging_level=cfg.log_level)
+    ray.init(
+        address="local",
+        namespace=NAMESPACE,
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+    )
     engines: dict[str, object] = {}
     try:
         names = start_engines(cfg, engines)
@@ -136,8 +146,11 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", required=True, choices=sorted(BACKENDS))
     parser.add_argument("--limit", type=int, default=None, help="score only the first N prompts")
     parser.add_argument("--batch-size", type=int, default=50, help="prompts per generate call (local mode)")
-    parser.add_argument("--zero-kv-after-prefill", action="store_true",
-                        help="local mode: zero every attention K/V block after prefill (the answers need the KV)")
+    parser.add_argument(
+        "--zero-kv-after-prefill",
+        action="store_true",
+        help="local mode: zero every attention K/V block after prefill (the answers need the KV)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

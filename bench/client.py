@@ -52,8 +52,15 @@ class LoadSpec:
 
 
 async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float) -> Sample:
-    body = {"model": spec.model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": spec.model,
+        "prompt": prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     stamps: list[float] = []
     usage: dict[str, int] = {}
@@ -84,8 +91,16 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float
         return failed(type(e).__name__)
     if not stamps:
         return failed("no_tokens")
-    return Sample(start - t0, True, "", stamps[0] - start, tuple(s - t0 for s in stamps), stamps[-1] - start,
-                  usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(stamps)))
+    return Sample(
+        start - t0,
+        True,
+        "",
+        stamps[0] - start,
+        tuple(s - t0 for s in stamps),
+        stamps[-1] - start,
+        usage.get("prompt_tokens", 0),
+        usage.get("completion_tokens", len(stamps)),
+    )
 
 
 def _client(url: str, spec: LoadSpec) -> httpx.AsyncClient:
@@ -100,8 +115,9 @@ async def warm_up(url: str, spec: LoadSpec) -> Sample:
         return await _one(client, dataclasses.replace(spec, max_tokens=2), spec.prompts[0], time.perf_counter())
 
 
-async def run_load(url: str, spec: LoadSpec, on_done: Callable[[Sample], None] = lambda s: None
-                   ) -> tuple[list[Sample], float]:
+async def run_load(
+    url: str, spec: LoadSpec, on_done: Callable[[Sample], None] = lambda s: None
+) -> tuple[list[Sample], float]:
     """Send every prompt once, `concurrency` at a time; returns the samples (in completion order)
     and the run's wall time. Prompts not started within `duration_s` are not sent at all."""
     samples: list[Sample] = []

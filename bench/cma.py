@@ -17,8 +17,14 @@ class _Iovec(ctypes.Structure):
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.process_vm_readv.restype = ctypes.c_ssize_t
-_LIBC.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                                   ctypes.c_ulong, ctypes.c_ulong]
+_LIBC.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def read_spans(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> None:

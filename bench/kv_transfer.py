@@ -67,8 +67,10 @@ class Endpoint:
     def __init__(self, name: str, buffers: int, num_blocks: int, page_bytes: int, seed: int, device: str) -> None:
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(seed)
-        self.bufs = [torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8, generator=g).to(device)
-                     for _ in range(buffers)]
+        self.bufs = [
+            torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8, generator=g).to(device)
+            for _ in range(buffers)
+        ]
         self.conn = NixlWorkerConnector(name, self.bufs, page_bytes, num_blocks)
         self.peer: ray.actor.ActorHandle | None = None
         self.loads = 0
@@ -165,8 +167,9 @@ class _Memcpy:
     def __init__(self, num_blocks: int, page_bytes: int, buffers: int, device: str) -> None:
         torch.set_num_threads(1)
         self.device = torch.device(device)
-        self.src = [torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8).to(device)
-                    for _ in range(buffers)]
+        self.src = [
+            torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8).to(device) for _ in range(buffers)
+        ]
         self.dst = [torch.zeros_like(s) for s in self.src]
 
     def load(self, blocks: int) -> float:
@@ -226,10 +229,14 @@ def _one_layout(block_mib: float, counts: list[int], buffers: int, reps: int, de
             mbytes = blocks * page_bytes * buffers / 1e6
             for path in paths:
                 sec = statistics.median(times[path])
-                rows.append(Row(path, blocks, block_mib, round(mbytes, 2), round(sec * 1e3, 3),
-                                round(mbytes / 1e3 / sec, 3)))
-                print(f"{block_mib:4g} MiB/block {blocks:4d} blocks {mbytes:8.1f} MB  {path:6s} "
-                      f"{sec * 1e3:9.2f} ms  {mbytes / 1e3 / sec:7.2f} GB/s", flush=True)
+                rows.append(
+                    Row(path, blocks, block_mib, round(mbytes, 2), round(sec * 1e3, 3), round(mbytes / 1e3 / sec, 3))
+                )
+                print(
+                    f"{block_mib:4g} MiB/block {blocks:4d} blocks {mbytes:8.1f} MB  {path:6s} "
+                    f"{sec * 1e3:9.2f} ms  {mbytes / 1e3 / sec:7.2f} GB/s",
+                    flush=True,
+                )
     finally:
         ray.get([prefill.close.remote(), decode.close.remote()])
         for actor in (prefill, decode):
@@ -265,8 +272,12 @@ def main() -> None:
     ap.add_argument("--buffers", type=int, default=4, help="cache buffers a block spans")
     ap.add_argument("--max-mib", type=float, default=1024.0, help="skip sizes above this many MiB")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where the caches live; cuda moves VRAM by NIXL and compares with a device copy only")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the caches live; cuda moves VRAM by NIXL and compares with a device copy only",
+    )
     ap.add_argument("--json-out", type=Path, help="also write every row here")
     args = ap.parse_args()
     if args.reps < 1 or args.buffers < 1 or not args.blocks or min(args.blocks) < 1 or min(args.block_mib) <= 0:

@@ -59,16 +59,17 @@ def measure(url: str, spec: LoadSpec, slo: Slo, label: str) -> tuple[dict[str, A
     with tqdm(total=len(spec.prompts), desc=label, unit="req", file=sys.stderr, leave=False) as bar:
         samples, wall = asyncio.run(run_load(url, spec, lambda s: bar.update()))
     after = wait_idle(url, spec.api_key, IDLE_TIMEOUT_S)
-    report = {"label": label, **summarize(samples, wall, slo, len(spec.prompts)),
-              "server": breakdown(before, after)}
+    report = {"label": label, **summarize(samples, wall, slo, len(spec.prompts)), "server": breakdown(before, after)}
     return report, samples, wall
 
 
 def _line(r: dict[str, Any]) -> str:
-    return (f"{r['label']:>8}  {r['completed']}/{r['num_prompts']} ok, {r['failed']} failed  "
-            f"{r['request_throughput']:6.2f} req/s  {r['output_throughput']:8.1f} tok/s  "
-            f"goodput {r['request_goodput']:6.2f} req/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms  "
-            f"TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p99 {r['p99_itl_ms']:7.1f} ms")
+    return (
+        f"{r['label']:>8}  {r['completed']}/{r['num_prompts']} ok, {r['failed']} failed  "
+        f"{r['request_throughput']:6.2f} req/s  {r['output_throughput']:8.1f} tok/s  "
+        f"goodput {r['request_goodput']:6.2f} req/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms  "
+        f"TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p99 {r['p99_itl_ms']:7.1f} ms"
+    )
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -97,19 +98,30 @@ def _at_least(low: float, kind: Callable[[str], float] = int) -> Callable[[str],
 def _flags(parser: argparse.ArgumentParser) -> None:
     parser.description = "Load test of the OpenAI-compatible endpoint, reported in `vllm bench serve` terms."
     parser.add_argument("--url", help="drive this running server instead of starting layouts locally")
-    parser.add_argument("--layouts", type=lambda s: [_layout(x) for x in s.split(",")], default=[(0, 1), (1, 1)],
-                        help="without --url: comma-separated PxD layouts; ratios are against the first "
-                             "(default 0x1,1x1)")
+    parser.add_argument(
+        "--layouts",
+        type=lambda s: [_layout(x) for x in s.split(",")],
+        default=[(0, 1), (1, 1)],
+        help="without --url: comma-separated PxD layouts; ratios are against the first (default 0x1,1x1)",
+    )
     parser.add_argument("--requests", type=_at_least(1), default=200)
     parser.add_argument("--concurrency", type=_at_least(1), default=32)
     parser.add_argument("--max-tokens", type=_at_least(2), default=32, help="at least 2, to time a token gap")
     parser.add_argument("--goodput-ttft-ms", type=_at_least(0, float), default=2000.0)
     parser.add_argument("--goodput-tpot-ms", type=_at_least(0, float), default=100.0)
-    parser.add_argument("--max-duration-s", type=_at_least(1, float), default=1800.0,
-                        help="no request starts after this many seconds of a run")
+    parser.add_argument(
+        "--max-duration-s",
+        type=_at_least(1, float),
+        default=1800.0,
+        help="no request starts after this many seconds of a run",
+    )
     parser.add_argument("--request-timeout-s", type=_at_least(1, float), default=300.0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/load"),
-                        help="writes OUT.json and OUT.png (default bench/results/load)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/load"),
+        help="writes OUT.json and OUT.png (default bench/results/load)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +141,9 @@ def _main(argv: list[str] | None) -> int:
     slo = Slo(args.goodput_ttft_ms, args.goodput_tpot_ms)
 
     def spec(model: str) -> LoadSpec:
-        return LoadSpec(model, prompts, args.max_tokens, args.concurrency, args.max_duration_s,
-                        args.request_timeout_s, base.api_key)
+        return LoadSpec(
+            model, prompts, args.max_tokens, args.concurrency, args.max_duration_s, args.request_timeout_s, base.api_key
+        )
 
     runs, reports = [], []
     if args.url:
@@ -156,8 +169,13 @@ def _main(argv: list[str] | None) -> int:
     for r in reports:
         print(_line(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"bench": "load", "requests": args.requests, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "runs": reports}
+    result = {
+        "bench": "load",
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "runs": reports,
+    }
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     plot_runs(runs, args.out.with_suffix(".png"))
     print(f"report: {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}", flush=True)

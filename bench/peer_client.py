@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 
@@ -21,8 +22,15 @@ class Sample:
 
 
 async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
@@ -38,13 +46,15 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int], ma
                 stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError("a request streamed no text")
-    return Sample(stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], stamps[-1] - start, tokens)
+    return Sample(stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)], stamps[-1] - start, tokens)
 
 
-async def drive(url: str, model: str, prompts: list[str] | list[list[int]], concurrency: int,
-                 max_tokens: int) -> tuple[list[Sample], float]:
+async def drive(
+    url: str, model: str, prompts: list[str] | list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[list[Sample], float]:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
         async def gated(p: str | list[int]) -> Sample:
             async with gate:
                 return await one(client, model, p, max_tokens)

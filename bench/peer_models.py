@@ -20,8 +20,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 VOCAB = 4096
 EOS = VOCAB - 1
 
-_COMMON = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
-               max_position_embeddings=4096)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    eos_token_id=EOS,
+    bos_token_id=1,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
 
 
 def _write_tokenizer(out: Path) -> None:
@@ -29,18 +35,39 @@ def _write_tokenizer(out: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"w{EOS}", "pad_token": "w0",
-        "unk_token": "w0", "model_max_length": 4096, "clean_up_tokenization_spaces": False}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": f"w{EOS}",
+                "pad_token": "w0",
+                "unk_token": "w0",
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
 
 
 def _hybrid() -> torch.nn.Module:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    cfg = NemotronHConfig(hidden_size=512, hybrid_override_pattern="M-M*-M-M*-", num_attention_heads=8,
-                          num_key_value_heads=4, head_dim=64, intermediate_size=1536, mamba_num_heads=16,
-                          mamba_head_dim=64, ssm_state_size=64, n_groups=1, conv_kernel=4, chunk_size=128,
-                          expand=2, **_COMMON)
+    cfg = NemotronHConfig(
+        hidden_size=512,
+        hybrid_override_pattern="M-M*-M-M*-",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=128,
+        expand=2,
+        **_COMMON,
+    )
     model = NemotronHForCausalLM(cfg)
     with torch.no_grad():  # spread decay rates so the Mamba state carries the whole prompt
         for layer in model.model.layers:
@@ -53,8 +80,15 @@ def _hybrid() -> torch.nn.Module:
 def _dense() -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                      head_dim=64, intermediate_size=1536, **_COMMON)
+    cfg = Qwen3Config(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        **_COMMON,
+    )
     return Qwen3ForCausalLM(cfg)
 
 

@@ -31,20 +31,64 @@ def free_port() -> int:
 def vllm_env(threads: int, kv_cache_gib: int = 2) -> dict[str, str]:
     """vLLM CPU binds its OpenMP threads to cores and by default keeps one core for its
     front end: bind exactly `threads` cores so both engines compute on as many."""
-    return os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
 
 
 def raypd_command(model: Path, name: str, port: int, threads: int, max_num_seqs: int) -> list[str]:
-    return [sys.executable, "-m", "serve", "--model", str(model), "--served-model-name", name, "--port", str(port),
-            "--prefill", "0", "--decode", "1", "--dtype", "float32", "--worker-threads", str(threads),
-            "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING"]
+    return [
+        sys.executable,
+        "-m",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--port",
+        str(port),
+        "--prefill",
+        "0",
+        "--decode",
+        "1",
+        "--dtype",
+        "float32",
+        "--worker-threads",
+        str(threads),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--log-level",
+        "WARNING",
+    ]
 
 
 def vllm_command(python: Path, model: Path, name: str, port: int, max_num_seqs: int) -> list[str]:
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-            name, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--gpu-memory-utilization", "0.3",
-            "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--disable-log-stats"]
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        "0",
+        "--disable-log-stats",
+    ]
 
 
 @contextmanager
@@ -53,8 +97,14 @@ def running(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterat
     its whole process group (SIGTERM, then SIGKILL after 30 s)."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         try:
             _wait_ready(proc, url, log)
             yield url

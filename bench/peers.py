@@ -61,8 +61,15 @@ class _OfflineEngine:
         self.log = work / f"{name}-offline.log"
         self._count = 0
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
 
     def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
         self._count += 1
@@ -98,10 +105,35 @@ def _offline(model: Path, args: argparse.Namespace, work: Path) -> dict[str, dic
     seqs = str(max(BATCHES))
     env = vllm_env(args.threads)
     engines = {
-        "raypd": _OfflineEngine(f"{model.name}-raypd", [sys.executable, "-m", "bench.raypd_offline", "--model",
-                                str(model), "--max-num-seqs", seqs, "--threads", str(args.threads)], env, work),
-        "vllm": _OfflineEngine(f"{model.name}-vllm", [str(args.vllm_python), str(REPO / "bench" / "vllm_offline.py"),
-                               "--model", str(model), "--max-num-seqs", seqs], env, work),
+        "raypd": _OfflineEngine(
+            f"{model.name}-raypd",
+            [
+                sys.executable,
+                "-m",
+                "bench.raypd_offline",
+                "--model",
+                str(model),
+                "--max-num-seqs",
+                seqs,
+                "--threads",
+                str(args.threads),
+            ],
+            env,
+            work,
+        ),
+        "vllm": _OfflineEngine(
+            f"{model.name}-vllm",
+            [
+                str(args.vllm_python),
+                str(REPO / "bench" / "vllm_offline.py"),
+                "--model",
+                str(model),
+                "--max-num-seqs",
+                seqs,
+            ],
+            env,
+            work,
+        ),
     }
     runs: dict[str, dict[int, list[Run]]] = {e: {b: [] for b in BATCHES} for e in engines}
     try:
@@ -122,13 +154,16 @@ def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dic
     """Both servers up at once; for each stream count, a raypd round then a vLLM round,
     `--rounds` times."""
     ports = {"raypd": free_port(), "vllm": free_port()}
-    cmds = {"raypd": raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
-            "vllm": vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams))}
-    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams}
-                                                                 for e in cmds}
+    cmds = {
+        "raypd": raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
+        "vllm": vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams)),
+    }
+    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams} for e in cmds}
     env = vllm_env(args.threads)
-    with running(cmds["raypd"], env, ports["raypd"], work / f"{kind}-raypd-server.log") as raypd_url, \
-            running(cmds["vllm"], env, ports["vllm"], work / f"{kind}-vllm-server.log") as vllm_url:
+    with (
+        running(cmds["raypd"], env, ports["raypd"], work / f"{kind}-raypd-server.log") as raypd_url,
+        running(cmds["vllm"], env, ports["vllm"], work / f"{kind}-vllm-server.log") as vllm_url,
+    ):
         urls = {"raypd": raypd_url, "vllm": vllm_url}
         for _ in range(args.rounds):
             for streams in args.streams:
@@ -143,9 +178,12 @@ def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dic
 def _summary(samples: list[Sample], wall: float) -> dict[str, float]:
     tpot = [(s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
     itl = [x for s in samples for x in s.itls]
-    return {"output_tok_per_s": sum(s.tokens for s in samples) / wall,
-            "ttft_p50_ms": 1e3 * statistics.median(s.ttft for s in samples),
-            "tpot_p50_ms": 1e3 * statistics.median(tpot), "itl_p50_ms": 1e3 * statistics.median(itl)}
+    return {
+        "output_tok_per_s": sum(s.tokens for s in samples) / wall,
+        "ttft_p50_ms": 1e3 * statistics.median(s.ttft for s in samples),
+        "tpot_p50_ms": 1e3 * statistics.median(tpot),
+        "itl_p50_ms": 1e3 * statistics.median(itl),
+    }
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -166,20 +204,31 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, ob
     for b in BATCHES:
         tps = {e: sum(len(t) for _, out in runs[e][b] for t in out) / sum(w for w, _ in runs[e][b]) for e in runs}
         agree = _agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1])
-        row[f"offline_b{b}"] = {"raypd_tok_s": round(tps["raypd"], 1), "vllm_tok_s": round(tps["vllm"], 1),
-                                "ratio": round(tps["raypd"] / tps["vllm"], 3), "greedy_agreement": round(agree, 4)}
-        print(f"offline batch {b:2d}: raypd {tps['raypd']:8.1f} tok/s  vLLM {tps['vllm']:8.1f} tok/s  "
-              f"ratio {tps['raypd'] / tps['vllm']:.2f}  greedy agreement {agree:.4f}", flush=True)
+        row[f"offline_b{b}"] = {
+            "raypd_tok_s": round(tps["raypd"], 1),
+            "vllm_tok_s": round(tps["vllm"], 1),
+            "ratio": round(tps["raypd"] / tps["vllm"], 3),
+            "greedy_agreement": round(agree, 4),
+        }
+        print(
+            f"offline batch {b:2d}: raypd {tps['raypd']:8.1f} tok/s  vLLM {tps['vllm']:8.1f} tok/s  "
+            f"ratio {tps['raypd'] / tps['vllm']:.2f}  greedy agreement {agree:.4f}",
+            flush=True,
+        )
     served = _served(model, kind, args, work)
     for streams in args.streams:
         ours, theirs = served["raypd"][streams], served["vllm"][streams]
-        row[f"served_c{streams}"] = {"raypd": {k: round(v, 2) for k, v in ours.items()},
-                                     "vllm": {k: round(v, 2) for k, v in theirs.items()},
-                                     "ratio": round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 3)}
+        row[f"served_c{streams}"] = {
+            "raypd": {k: round(v, 2) for k, v in ours.items()},
+            "vllm": {k: round(v, 2) for k, v in theirs.items()},
+            "ratio": round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 3),
+        }
         for engine, st in (("raypd", ours), ("vllm", theirs)):
-            print(f"served {engine:5s} {streams:2d} streams: {st['output_tok_per_s']:8.1f} tok/s  "
-                  f"TTFT {st['ttft_p50_ms']:7.1f} ms  TPOT {st['tpot_p50_ms']:6.1f} ms  ITL {st['itl_p50_ms']:6.1f} ms",
-                  flush=True)
+            print(
+                f"served {engine:5s} {streams:2d} streams: {st['output_tok_per_s']:8.1f} tok/s  "
+                f"TTFT {st['ttft_p50_ms']:7.1f} ms  TPOT {st['tpot_p50_ms']:6.1f} ms  ITL {st['itl_p50_ms']:6.1f} ms",
+                flush=True,
+            )
     return row
 
 
@@ -206,8 +255,13 @@ def main() -> None:
     args = ap.parse_args()
     if unknown := set(args.models) - {"hybrid", "dense"}:
         ap.error(f"--models: unknown {sorted(unknown)}; choose from hybrid, dense")
-    if min(args.threads, args.rounds, args.requests_per_stream, args.batch1_prompts, args.prompt_len) < 1 or args.max_tokens < 2:
-        ap.error("--threads, --rounds, --requests-per-stream, --batch1-prompts, --prompt-len must be >= 1, --max-tokens >= 2")
+    if (
+        min(args.threads, args.rounds, args.requests_per_stream, args.batch1_prompts, args.prompt_len) < 1
+        or args.max_tokens < 2
+    ):
+        ap.error(
+            "--threads, --rounds, --requests-per-stream, --batch1-prompts, --prompt-len must be >= 1, --max-tokens >= 2"
+        )
     if not args.vllm_python.is_file():
         ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make bench-peers` to create .venv-vllm")
     with tempfile.TemporaryDirectory(prefix="raypd-peers-") as tmp:

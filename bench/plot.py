@@ -25,10 +25,12 @@ def _cdf(ax: plt.Axes, values_s: Sequence[float], label: str) -> None:
 def plot_runs(runs: Sequence[tuple[str, Sequence[Sample], float]], path: Path) -> None:
     """`runs`: (label, samples, duration_s) per run."""
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    latency = (("TTFT", lambda ok: [s.ttft for s in ok]),
-               ("TPOT", lambda ok: [t for s in ok if (t := s.tpot) is not None]),
-               ("ITL", lambda ok: [x for s in ok for x in s.itls]),
-               ("end-to-end latency", lambda ok: [s.e2e for s in ok]))
+    latency = (
+        ("TTFT", lambda ok: [s.ttft for s in ok]),
+        ("TPOT", lambda ok: [t for s in ok if (t := s.tpot) is not None]),
+        ("ITL", lambda ok: [x for s in ok for x in s.itls]),
+        ("end-to-end latency", lambda ok: [s.e2e for s in ok]),
+    )
     for ax, (title, values) in zip(axes.flat, latency, strict=False):
         for label, samples, _ in runs:
             _cdf(ax, values([s for s in samples if s.ok]), label)

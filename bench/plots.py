@@ -24,12 +24,23 @@ def kv_transfer(data: dict, out: Path) -> None:
     layouts = sorted({r["block_mib"] for r in data["rows"]})
     for path, color in zip(("memcpy", "cma", "nixl", "gloo", "ray"), ("k", "0.5", "C0", "C1", "C2"), strict=False):
         for layout, style in zip(layouts, ("-o", "--s"), strict=False):
-            rows = sorted((r for r in data["rows"] if r["path"] == path and r["block_mib"] == layout),
-                          key=lambda r: r["mbytes"])
-            ax.plot([r["mbytes"] for r in rows], [r["gb_per_s"] for r in rows], style, color=color,
-                    label=f"{path} ({layout:g} MiB blocks)")
-    ax.set(xscale="log", yscale="log", xlabel="MB moved (one request's KV)", ylabel="GB/s",
-           title="KV transfer prefill -> decode actor")
+            rows = sorted(
+                (r for r in data["rows"] if r["path"] == path and r["block_mib"] == layout), key=lambda r: r["mbytes"]
+            )
+            ax.plot(
+                [r["mbytes"] for r in rows],
+                [r["gb_per_s"] for r in rows],
+                style,
+                color=color,
+                label=f"{path} ({layout:g} MiB blocks)",
+            )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="MB moved (one request's KV)",
+        ylabel="GB/s",
+        title="KV transfer prefill -> decode actor",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

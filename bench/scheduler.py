@@ -64,8 +64,9 @@ def _share(model: Path, running: int, steps: int, dtype: str, device: str) -> tu
     layout = worker.layout
     try:
         kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, enable_prefix_caching=False)
-        sched = Scheduler(SchedulerConfig(max(running * prompt_len, 2048), running, 1 << 20), kv,
-                          StopChecker(None, 1 << 20))
+        sched = Scheduler(
+            SchedulerConfig(max(running * prompt_len, 2048), running, 1 << 20), kv, StopChecker(None, 1 << 20)
+        )
         for i in range(running):
             prompt = [(i * 7 + j) % 200 + 1 for j in range(prompt_len)]
             sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 4), None))
@@ -114,14 +115,29 @@ def main() -> None:
     for running in (1, 64, 256):
         sched_us, step_us = _share(args.model, running, args.share_steps, args.dtype, args.device)
         shares[running] = sched_us / step_us
-        share_rows.append({"running": running, "sched_us": round(sched_us, 1), "step_us": round(step_us, 1),
-                           "share": round(sched_us / step_us, 4)})
-        print(f"running={running:4d}  decode step {step_us:9.1f} us  scheduling {sched_us:9.1f} us  "
-              f"share {sched_us / step_us:.3f}")
+        share_rows.append(
+            {
+                "running": running,
+                "sched_us": round(sched_us, 1),
+                "step_us": round(step_us, 1),
+                "share": round(sched_us / step_us, 4),
+            }
+        )
+        print(
+            f"running={running:4d}  decode step {step_us:9.1f} us  scheduling {sched_us:9.1f} us  "
+            f"share {sched_us / step_us:.3f}"
+        )
     if args.json_out:
         args.json_out.write_text(json.dumps({"schedule_us": rows, "share": share_rows}, indent=1))
-    print(json.dumps({"sched_share_1": round(shares[1], 4), "sched_share_64": round(shares[64], 4),
-                      "sched_share_256": round(shares[256], 4)}))
+    print(
+        json.dumps(
+            {
+                "sched_share_1": round(shares[1], 4),
+                "sched_share_64": round(shares[64], 4),
+                "sched_share_256": round(shares[256], 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 Scrape = dict[tuple[str, str], float]  # (sample name, engine) -> value
 
 PHASES = ("queue", "prefill", "decode")
-_COUNTERS = {"kv_transfer_bytes": "raypd_kv_transfer_bytes_total",
-             "kv_transfer_descriptors": "raypd_kv_transfer_descriptors_total",
-             "kv_transfer_failed": "raypd_kv_transfer_failed_total",
-             "kv_lease_expired": "raypd_kv_lease_expired_total"}
+_COUNTERS = {
+    "kv_transfer_bytes": "raypd_kv_transfer_bytes_total",
+    "kv_transfer_descriptors": "raypd_kv_transfer_descriptors_total",
+    "kv_transfer_failed": "raypd_kv_transfer_failed_total",
+    "kv_lease_expired": "raypd_kv_lease_expired_total",
+}
 
 
 def scrape(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> Scrape:
@@ -33,6 +35,7 @@ def scrape(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> Scr
 
 def breakdown(before: Scrape, after: Scrape) -> dict[str, dict[str, float]]:
     """Per engine: what the run added to each histogram and counter, as means and totals."""
+
     def delta(name: str, engine: str) -> float:
         return after.get((name, engine), 0.0) - before.get((name, engine), 0.0)
 
@@ -64,8 +67,11 @@ def wait_idle(url: str, api_key: str | None, timeout_s: float, poll_s: float = 0
     deadline = time.monotonic() + timeout_s
     while True:
         values = scrape(url, api_key)
-        busy = [v for (name, _), v in values.items()
-                if name in ("raypd_kv_blocks_in_use", "raypd_num_requests_running", "raypd_num_requests_waiting")]
+        busy = [
+            v
+            for (name, _), v in values.items()
+            if name in ("raypd_kv_blocks_in_use", "raypd_num_requests_running", "raypd_num_requests_waiting")
+        ]
         if not any(busy) or time.monotonic() > deadline:
             return values
         time.sleep(poll_s)

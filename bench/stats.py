@@ -75,5 +75,8 @@ def timeline(samples: Sequence[Sample], duration_s: float, bins: int = 30) -> di
             for t in s.token_times:
                 tokens[min(int(t / width), bins - 1)] += share
             done[min(int((s.start + s.e2e) / width), bins - 1)] += 1
-    return {"t_s": [width * (i + 0.5) for i in range(bins)], "output_tok_per_s": list(tokens / width),
-            "requests_per_s": list(done / width)}
+    return {
+        "t_s": [width * (i + 0.5) for i in range(bins)],
+        "output_tok_per_s": list(tokens / width),
+        "requests_per_s": list(done / width),
+    }

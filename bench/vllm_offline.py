@@ -30,8 +30,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-              max_num_seqs=args.max_num_seqs, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+    )
     for line in sys.stdin:
         cmd = json.loads(line)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]

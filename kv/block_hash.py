@@ -22,9 +22,7 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(data + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int
-) -> list[bytes]:
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Append to `hashes` (those of the first len(hashes) blocks) the hashes of the
     remaining full blocks of `token_ids`, so a growing request is hashed only once. A
     partial tail is skipped because its content will still change."""

@@ -134,8 +134,9 @@ class BlockPool:
                 raise IntegrityError(f"block {block_id} is free with ref_cnt {block.ref_cnt}")
         for block in self.blocks:
             if block.block_id not in self._free and block.ref_cnt <= 0:
-                raise IntegrityError(f"block {block.block_id} is neither free nor referenced "
-                                     f"(ref_cnt {block.ref_cnt}): leaked")
+                raise IntegrityError(
+                    f"block {block.block_id} is neither free nor referenced (ref_cnt {block.ref_cnt}): leaked"
+                )
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if num_used + len(self._free) != self.num_blocks:
             raise IntegrityError(f"free {len(self._free)} + used {num_used} != total {self.num_blocks}")

@@ -58,8 +58,9 @@ def _split(layers: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
 
 def plan_groups(cfg: ModelConfig) -> tuple[tuple[CacheGroup, ...], tuple[tuple[int, ...], ...]]:
     """Groups of equal size per kind, and the buffers: buffer i holds the i-th layer of each group."""
-    kinds = [(kind, layers) for kind, layers in (("attention", cfg.attention_layers), ("mamba", cfg.mamba_layers))
-             if layers]
+    kinds = [
+        (kind, layers) for kind, layers in (("attention", cfg.attention_layers), ("mamba", cfg.mamba_layers)) if layers
+    ]
     size = min(len(layers) for _, layers in kinds)
     groups = tuple(CacheGroup(kind, part) for kind, layers in kinds for part in _split(layers, size))
     buffers = tuple(tuple(g.layer_ids[i] for g in groups if i < len(g.layer_ids)) for i in range(size))
@@ -79,8 +80,9 @@ def plan_layout(
     mamba = _mamba_page_bytes(cfg)
     if block_size is None:
         per_token = _attn_page_bytes(cfg, 1, attn_dtype)
-        block_size = max(_AUTO_BLOCK_MULTIPLE, math.ceil(mamba / per_token / _AUTO_BLOCK_MULTIPLE)
-                         * _AUTO_BLOCK_MULTIPLE)
+        block_size = max(
+            _AUTO_BLOCK_MULTIPLE, math.ceil(mamba / per_token / _AUTO_BLOCK_MULTIPLE) * _AUTO_BLOCK_MULTIPLE
+        )
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     attn = _attn_page_bytes(cfg, block_size, attn_dtype)
@@ -95,8 +97,16 @@ def plan_layout(
     layout = CacheLayout(block_size, num_blocks, page, attn, mamba, groups, buffers, attn_dtype)
     log.info(
         "KV cache layout: block_size=%d page=%dB (attention %dB, mamba %dB, padding %dB) blocks=%d buffers=%d "
-        "groups=%s total=%.1fMiB", block_size, page, attn, mamba, page - min(attn, mamba) if mamba else 0,
-        num_blocks, len(buffers), [(g.kind, g.layer_ids) for g in groups], layout.total_bytes / 2**20,
+        "groups=%s total=%.1fMiB",
+        block_size,
+        page,
+        attn,
+        mamba,
+        page - min(attn, mamba) if mamba else 0,
+        num_blocks,
+        len(buffers),
+        [(g.kind, g.layer_ids) for g in groups],
+        layout.total_bytes / 2**20,
     )
     return layout
 
@@ -109,8 +119,9 @@ def allocate_caches(
     Memory starts zeroed, so a dense model's pages only ever hold K/V of one dtype; in a
     hybrid model a page keeps whatever its last owner left, which is what zero-on-allocate
     is for."""
-    buffers = [torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device)
-               for _ in layout.buffers]
+    buffers = [
+        torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device) for _ in layout.buffers
+    ]
     kinds = {layer: g.kind for g in layout.groups for layer in g.layer_ids}
     views: dict[int, LayerCache] = {}
     for buf, layers in zip(buffers, layout.buffers):

@@ -46,9 +46,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.managers: tuple[SingleTypeManager, ...] = tuple(
-            (FullAttentionManager if g.kind == "attention" else MambaManager)(
-                self.pool, block_size, group_id
-            )
+            (FullAttentionManager if g.kind == "attention" else MambaManager)(self.pool, block_size, group_id)
             for group_id, g in enumerate(self.groups)
         )
         self._attention = tuple(m for m in self.managers if isinstance(m, FullAttentionManager))
@@ -118,9 +116,7 @@ class KVCacheManager:
         cannot satisfy the request.
         """
         if num_tokens_total < num_new_computed_tokens:
-            raise ValueError(
-                f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}"
-            )
+            raise ValueError(f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}")
         hits = self._take_hit_blocks(req_id, num_new_computed_tokens)
         num_new = sum(
             max(m.get_num_blocks_to_allocate(req_id, num_tokens_total) - len(hits.get(i, ())), 0)
@@ -156,23 +152,18 @@ class KVCacheManager:
             raise ValueError(f"prefix hit of {num_tokens} tokens is not block aligned")
         if num_tokens > self._pending_hits.get(req_id, 0):
             raise ValueError(
-                f"request {req_id}: prefix hit of {num_tokens} tokens was not found by "
-                "get_computed_blocks"
+                f"request {req_id}: prefix hit of {num_tokens} tokens was not found by get_computed_blocks"
             )
         hashes = self._req_hashes[req_id][: num_tokens // self.block_size]
         hits: dict[int, list[KVBlock]] = {}
         for manager in self._attention:
             blocks = manager.find_longest_cache_hit(hashes)
             if len(blocks) < len(hashes):
-                raise RuntimeError(
-                    f"request {req_id}: prefix-hit blocks were evicted before allocate_slots"
-                )
+                raise RuntimeError(f"request {req_id}: prefix-hit blocks were evicted before allocate_slots")
             hits[manager.group_id] = blocks
         return hits
 
-    def cache_full_blocks(
-        self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int
-    ) -> None:
+    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's computed full blocks for later prefix hits. Call it
         once `num_computed_tokens` tokens of `token_ids` have really been computed."""
         if not self.enable_prefix_caching:
@@ -222,16 +213,19 @@ class KVCacheManager:
         """Withdraw from the prefix cache the request's blocks covering tokens
         [start_token, end_token), whose KV a failed step never wrote, and name the other
         requests that already share any of them (through a prefix hit): their KV is wrong too."""
-        blocks = [b for m in self._attention
-                  for b in m.req_to_blocks.get(req_id, [])[m.block_span(start_token, end_token)]]
+        blocks = [
+            b for m in self._attention for b in m.req_to_blocks.get(req_id, [])[m.block_span(start_token, end_token)]
+        ]
         self.pool.uncache(blocks)
         ids = {b.block_id for b in blocks if b.ref_cnt > 1}
-        return {r for m in self._attention for r, bs in m.req_to_blocks.items()
-                if r != req_id and any(b.block_id in ids for b in bs)}
+        return {
+            r
+            for m in self._attention
+            for r, bs in m.req_to_blocks.items()
+            if r != req_id and any(b.block_id in ids for b in bs)
+        }
 
-    def get_zeroing_block_ids_in_range(
-        self, req_id: str, start_token: int, end_token: int
-    ) -> list[int]:
+    def get_zeroing_block_ids_in_range(self, req_id: str, start_token: int, end_token: int) -> list[int]:
         """Attention block ids that a remote load of tokens [start_token, end_token)
         overwrites (each manager's `block_span`)."""
         return [bid for m in self._attention for bid in m.block_ids_in_range(req_id, start_token, end_token)]

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kv.transfer_params import KVTransferParams
 from kv.single_type_manager import SingleTypeManager
+from kv.transfer_params import KVTransferParams
 
 LEASE_MARGIN_S = 0.25
 
@@ -44,8 +44,9 @@ class ConnectorMetadata:
 
 
 class NixlSchedulerConnector:
-    def __init__(self, managers: Sequence[SingleTypeManager], lease_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, managers: Sequence[SingleTypeManager], lease_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
         self.managers = tuple(managers)
         self.lease_s = lease_s
         self.clock = clock
@@ -68,8 +69,14 @@ class NixlSchedulerConnector:
         a READ that ends near or after the deadline may have copied pages already reused."""
         return self.clock() < params.expires_at - LEASE_MARGIN_S
 
-    def update_state_after_alloc(self, req_id: str, params: KVTransferParams, block_ids: Sequence[Sequence[int]],
-                                 num_local_computed: int, num_external: int) -> None:
+    def update_state_after_alloc(
+        self,
+        req_id: str,
+        params: KVTransferParams,
+        block_ids: Sequence[Sequence[int]],
+        num_local_computed: int,
+        num_external: int,
+    ) -> None:
         """Plan the READ of tokens [local, local + external) into the request's blocks: in each
         group the blocks holding those tokens (a local hit is block aligned, so the remote
         blocks before it are skipped block for block; a state group reads its one slot, the
@@ -99,12 +106,14 @@ class NixlSchedulerConnector:
 
     # -- prefill side -----------------------------------------------------------------
 
-    def request_finished(self, req_id: str, engine_id: str, agent_name: str, block_ids: Sequence[Sequence[int]],
-                         num_tokens: int) -> KVTransferParams:
+    def request_finished(
+        self, req_id: str, engine_id: str, agent_name: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> KVTransferParams:
         """Describe the computed prompt for the decode side and start the blocks' lease."""
         deadline = self.clock() + self.lease_s
-        params = KVTransferParams(engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id,
-                                  deadline)
+        params = KVTransferParams(
+            engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id, deadline
+        )
         self._leases[req_id] = deadline
         return params
 

@@ -23,8 +23,7 @@ def _load() -> ModuleType:
             import nixl._api as api  # type: ignore[no-redef]
         except ImportError as e:
             raise ImportError(
-                "NIXL is not installed: neither `nixl_cu12` (pip install nixl-cu12) nor `nixl` "
-                "could be imported"
+                "NIXL is not installed: neither `nixl_cu12` (pip install nixl-cu12) nor `nixl` could be imported"
             ) from e
     return api
 
@@ -33,6 +32,7 @@ _api = _load()
 nixl_agent = _api.nixl_agent
 nixl_agent_config = _api.nixl_agent_config
 NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
-    cls for name, cls in vars(_api.nixlBind).items()
+    cls
+    for name, cls in vars(_api.nixlBind).items()
     if name.startswith("nixl") and name.endswith("Error") and isinstance(cls, type) and issubclass(cls, Exception)
 )

@@ -132,8 +132,10 @@ class NixlWorkerConnector:
         device = buffers[0].device
         for i, buf in enumerate(buffers):
             if buf.dtype != torch.uint8 or buf.shape != (num_blocks, page_bytes) or not buf.is_contiguous():
-                raise ValueError(f"buffer {i} must be a contiguous uint8 [{num_blocks}, {page_bytes}] tensor, "
-                                 f"got {buf.dtype} {tuple(buf.shape)}")
+                raise ValueError(
+                    f"buffer {i} must be a contiguous uint8 [{num_blocks}, {page_bytes}] tensor, "
+                    f"got {buf.dtype} {tuple(buf.shape)}"
+                )
             if buf.device != device:
                 raise ValueError(f"buffer {i} is on {buf.device}, buffer 0 on {device}")
         if device.type not in ("cpu", "cuda"):
@@ -165,18 +167,27 @@ class NixlWorkerConnector:
             raise RuntimeError(f"NIXL backends {sorted(missing)} are not available")
         self._reg = self._agent.register_memory(self._buffers)
         self._local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _page_descs(self._base_addrs, page_bytes, num_blocks, self._device_id),
-            self._mem_type)
+            "NIXL_INIT_AGENT", _page_descs(self._base_addrs, page_bytes, num_blocks, self._device_id), self._mem_type
+        )
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         if poll_interval_s is not None:
-            self._poller = threading.Thread(target=self._poll_forever, args=(poll_interval_s,),
-                                            name=f"nixl-poll-{self.agent_name}", daemon=True)
+            self._poller = threading.Thread(
+                target=self._poll_forever, args=(poll_interval_s,), name=f"nixl-poll-{self.agent_name}", daemon=True
+            )
             self._poller.start()
 
     def metadata(self) -> PeerInfo:
-        return PeerInfo(self.engine_id, self.agent_name, self._agent.get_agent_metadata(), self._base_addrs,
-                        self.page_bytes, self.num_blocks, self._mem_type, self._device_id)
+        return PeerInfo(
+            self.engine_id,
+            self.agent_name,
+            self._agent.get_agent_metadata(),
+            self._base_addrs,
+            self.page_bytes,
+            self.num_blocks,
+            self._mem_type,
+            self._device_id,
+        )
 
     def add_peer(self, info: PeerInfo) -> None:
         """Load a peer's agent metadata and prepare its pages; adding a known peer again is a no-op."""
@@ -184,15 +195,18 @@ class NixlWorkerConnector:
             if info.agent_name in self._peers:
                 return
             if info.page_bytes != self.page_bytes or len(info.base_addrs) != len(self._base_addrs):
-                raise ValueError(f"peer {info.agent_name} has {len(info.base_addrs)} buffers of {info.page_bytes}B "
-                                 f"pages, this worker {len(self._base_addrs)} of {self.page_bytes}B")
+                raise ValueError(
+                    f"peer {info.agent_name} has {len(info.base_addrs)} buffers of {info.page_bytes}B "
+                    f"pages, this worker {len(self._base_addrs)} of {self.page_bytes}B"
+                )
             name = self._agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name  # 1.5.1 returns bytes
             if name != info.agent_name:
                 self._agent.remove_remote_agent(name)
                 raise ValueError(f"peer metadata names agent {name!r}, PeerInfo says {info.agent_name!r}")
             descs = self._agent.prep_xfer_dlist(
-                name, _page_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id), info.mem_type)
+                name, _page_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id), info.mem_type
+            )
             self._peers[name] = _Peer(info, descs)
 
     def start_load(self, req_id: str, params: KVTransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
@@ -219,9 +233,12 @@ class NixlWorkerConnector:
                     self._notify(peer.info.agent_name, params.request_id)
                 return
             kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
-            load = _Load(peer.info.agent_name, params.request_id,
-                         block_ids=[mine for group in pairs for mine, _ in group],
-                         skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k):]])
+            load = _Load(
+                peer.info.agent_name,
+                params.request_id,
+                block_ids=[mine for group in pairs for mine, _ in group],
+                skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k) :]],
+            )
             local = [mine for group in kept for mine, _ in group]
             remote = [theirs for group in kept for _, theirs in group]
             if local:
@@ -315,8 +332,9 @@ class NixlWorkerConnector:
             self.stats.bytes += load.num_descs * self.page_bytes
             self.stats.descriptors += load.num_descs
 
-    def _pair(self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
-              remote_num_blocks: int) -> list[list[tuple[int, int]]]:
+    def _pair(
+        self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], remote_num_blocks: int
+    ) -> list[list[tuple[int, int]]]:
         """(local, remote) block pairs per group, validated."""
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local block lists for {len(remote)} remote cache groups")
@@ -328,8 +346,10 @@ class NixlWorkerConnector:
             group = [(int(a), int(b)) for a, b in zip(mine, theirs)]
             for a, b in group:
                 if not 0 <= a < self.num_blocks or not 0 <= b < remote_num_blocks:
-                    raise ValueError(f"group {g}: block pair ({a}, {b}) out of range "
-                                     f"({self.num_blocks} local, {remote_num_blocks} remote blocks)")
+                    raise ValueError(
+                        f"group {g}: block pair ({a}, {b}) out of range "
+                        f"({self.num_blocks} local, {remote_num_blocks} remote blocks)"
+                    )
                 if a in seen:
                     raise ValueError(f"local block {a} is written twice by one load")
                 seen.add(a)
@@ -345,8 +365,9 @@ class NixlWorkerConnector:
         local_idx = (buffers * self.num_blocks + np.asarray(local)).ravel().astype(np.int32)
         remote_idx = (buffers * peer.info.num_blocks + np.asarray(remote)).ravel().astype(np.int32)
         try:
-            handle = self._agent.make_prepped_xfer("READ", self._local, local_idx, peer.descs, remote_idx,
-                                                   notif_msg=notif.encode())
+            handle = self._agent.make_prepped_xfer(
+                "READ", self._local, local_idx, peer.descs, remote_idx, notif_msg=notif.encode()
+            )
         except NIXL_ERRORS as e:
             log.warning("NIXL refused a READ from %s: %r", peer.info.agent_name, e)
             return None

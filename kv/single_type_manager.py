@@ -97,9 +97,7 @@ class FullAttentionManager(SingleTypeManager):
         self.req_to_blocks[req_id] = list(blocks)
         self._num_cached[req_id] = len(blocks)
 
-    def cache_blocks(
-        self, req_id: str, block_hashes: Sequence[bytes], num_full_blocks: int
-    ) -> None:
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[bytes], num_full_blocks: int) -> None:
         """Publish the request's first `num_full_blocks` blocks (computed, full) under
         `block_hashes` so later requests can hit them."""
         blocks = self.req_to_blocks.get(req_id, [])

@@ -37,7 +37,11 @@ class KVTransferParams:
             isinstance(group, tuple) and all(_is_int(b) and b >= 0 for b in group) for group in self.remote_block_ids
         ):
             raise ValueError(f"remote_block_ids must be tuples of non-negative ints, got {self.remote_block_ids!r}")
-        if not isinstance(self.expires_at, int | float) or isinstance(self.expires_at, bool) or self.expires_at != self.expires_at:
+        if (
+            not isinstance(self.expires_at, int | float)
+            or isinstance(self.expires_at, bool)
+            or self.expires_at != self.expires_at
+        ):
             raise ValueError(f"expires_at must be a number of seconds, got {self.expires_at!r}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -56,7 +60,7 @@ class KVTransferParams:
         """Parse and validate; raises ValueError naming the first bad field."""
         if not isinstance(data, Mapping):
             # ValueError like every other bad field: callers answer it with HTTP 400.
-            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")  # noqa: TRY004
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
         expected = {f.name for f in fields(cls)}
         if missing := expected - data.keys() - {"expires_at"}:
             raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")

@@ -41,21 +41,45 @@ def paged_attention(
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
     if not single:
-        return _attend_chunks(q, k_cache, v_cache, meta.block_table, meta.block_valid, batch.positions,
-                              batch.token_req, batch.token_local, batch.max_query_len, scale)
+        return _attend_chunks(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.block_valid,
+            batch.positions,
+            batch.token_req,
+            batch.token_local,
+            batch.max_query_len,
+            scale,
+        )
     out = torch.empty_like(q)
     multi = [r for r, n in enumerate(lens) if n > 1]
     device = q.device
     rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
     reqs = torch.tensor(single, dtype=torch.long, device=device)
-    out[rows] = _attend_decode(q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs],
-                               batch.positions[rows], scale)
-    rows = torch.tensor([t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
-                        dtype=torch.long, device=device)
+    out[rows] = _attend_decode(
+        q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs], batch.positions[rows], scale
+    )
+    rows = torch.tensor(
+        [t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
+        dtype=torch.long,
+        device=device,
+    )
     reqs = torch.tensor(multi, dtype=torch.long, device=device)
     token_req = torch.tensor([i for i, r in enumerate(multi) for _ in range(lens[r])], dtype=torch.long, device=device)
-    out[rows] = _attend_chunks(q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs],
-                               batch.positions[rows], token_req, batch.token_local[rows], max(lens), scale)
+    out[rows] = _attend_chunks(
+        q[rows],
+        k_cache,
+        v_cache,
+        meta.block_table[reqs],
+        meta.block_valid[reqs],
+        batch.positions[rows],
+        token_req,
+        batch.token_local[rows],
+        max(lens),
+        scale,
+    )
     return out
 
 
@@ -71,8 +95,15 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, valid: torch.Tensor) -> to
     return out.view(reqs, width * block_size, kv_heads, head_dim)
 
 
-def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                   valid: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    valid: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per request. q: [R, H, D], positions: [R]. Returns [R, H, D]."""
     reqs, heads, head_dim = q.shape
     keys = _gather(k_cache, table, valid).to(q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
@@ -80,14 +111,24 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # SDPA reads the strided views as they are; a boolean mask keeps the masked slots'
     # values in the product (0 * NaN = NaN), as the chunk path does.
     allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None, None],
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], keys, values, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True
+    )
     return out.view(reqs, heads, head_dim)
 
 
-def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                   valid: torch.Tensor, positions: torch.Tensor, token_req: torch.Tensor, token_local: torch.Tensor,
-                   max_query_len: int, scale: float) -> torch.Tensor:
+def _attend_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    valid: torch.Tensor,
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    token_local: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
     """Chunks of several queries, padded to the longest. q: [N, H, D]. Returns [N, H, D]."""
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]

@@ -17,8 +17,13 @@ LayerKind = Literal["attention", "mamba", "mlp"]
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "Qwen3ForCausalLM": "qwen3", "Qwen3_5ForCausalLM": "qwen3_5"}
 _MODEL_TYPES = {"nemotron_h": "nemotron_h", "qwen3": "qwen3", "qwen3_5_text": "qwen3_5"}
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp"}
-_BLOCK_TYPES = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "mamba": "mamba",
-                "attention": "attention"}
+_BLOCK_TYPES = {
+    "linear_attention": "mamba",
+    "full_attention": "attention",
+    "mlp": "mlp",
+    "mamba": "mamba",
+    "attention": "attention",
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -256,8 +261,9 @@ def _parse_qwen3_5(d: dict[str, Any]) -> ModelConfig:
         conv_kernel=d.get("linear_conv_kernel_dim", 4),
     )
     if gdn.num_v_heads % gdn.num_k_heads:
-        raise ConfigError(f"linear_num_value_heads ({gdn.num_v_heads}) must be a multiple of "
-                          f"linear_num_key_heads ({gdn.num_k_heads})")
+        raise ConfigError(
+            f"linear_num_value_heads ({gdn.num_v_heads}) must be a multiple of linear_num_key_heads ({gdn.num_k_heads})"
+        )
     factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
     common = _common(d)
     if not 0 < factor <= 1 or int(common["head_dim"] * factor) % 2:

@@ -3,7 +3,7 @@
 Per request the layer keeps a conv state (the last `kernel - 1` inputs of the causal
 depthwise convolution over q, k and v) and a recurrent state `[v_heads, k_dim, v_dim]`,
 both fp32, in the page its state group ("mamba" kind) allocated. As with Mamba2 the page is
-never zeroed (DESIGN.md §1): a request's first chunk starts from zeros *without reading*
+never zeroed (docs/design.md §1): a request's first chunk starts from zeros *without reading*
 its slot, and every step overwrites the slot. Prefill chunks run the chunked delta rule per
 request; decode tokens run one vectorised recurrent step.
 
@@ -37,8 +37,9 @@ def unit_lower_inverse(t: torch.Tensor) -> torch.Tensor:
         upper, lower = pairs[..., 0, :, :], pairs[..., 1, :, :]
         blocks = t.unflatten(-2, (n, 2, size)).unflatten(-1, (n, 2, size))
         below = torch.diagonal(blocks, dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
-        inv = torch.cat([torch.cat([upper, torch.zeros_like(upper)], -1),
-                         torch.cat([-(lower @ below @ upper), lower], -1)], -2)
+        inv = torch.cat(
+            [torch.cat([upper, torch.zeros_like(upper)], -1), torch.cat([-(lower @ below @ upper), lower], -1)], -2
+        )
         size *= 2
     return inv[..., 0, :, :]
 
@@ -62,8 +63,13 @@ class UnitLowerSolve(torch.autograd.Function):
 
 
 def chunk_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial: torch.Tensor | None, chunk: int = CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor | None,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over whole chunks, in fp32. q, k: [B, T, H, K] (normalised, q
     scaled); v: [B, T, H, V]; g (log decay), beta: [B, T, H]; initial: [B, H, K, V] or None.
@@ -143,8 +149,14 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden_size, spec.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, spec.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, spec.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False,
-                                padding=spec.conv_kernel - 1)
+        self.conv1d = nn.Conv1d(
+            spec.conv_dim,
+            spec.conv_dim,
+            spec.conv_kernel,
+            groups=spec.conv_dim,
+            bias=False,
+            padding=spec.conv_kernel - 1,
+        )
         self.dt_bias = nn.Parameter(torch.ones(spec.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(spec.num_v_heads).uniform_(0.01, 16).log())
         self.norm = NormThenGate(spec.head_v_dim, eps)
@@ -182,8 +194,14 @@ class GatedDeltaNet(nn.Module):
         out, _ = chunk_delta_rule(q, k, v, g, beta, None)
         return self._finish(out, self.in_proj_z(h), h.dtype)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, conv_cache: torch.Tensor, state_cache: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        conv_cache: torch.Tensor,
+        state_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
         """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
         s = self.spec
         mixed, a, b = self.in_proj_qkv(h), self.in_proj_a(h), self.in_proj_b(h)
@@ -206,9 +224,18 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = y[0]
         return self._finish(out, self.in_proj_z(h), h.dtype)
 
-    def _decode_step(self, reqs: tuple[int, ...], batch: ForwardBatch, mixed: torch.Tensor, a: torch.Tensor,
-                     b: torch.Tensor, conv_cache: torch.Tensor, state_cache: torch.Tensor, slots: torch.Tensor,
-                     out: torch.Tensor) -> None:
+    def _decode_step(
+        self,
+        reqs: tuple[int, ...],
+        batch: ForwardBatch,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_cache: torch.Tensor,
+        state_cache: torch.Tensor,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         idx = torch.tensor([batch.query_start[r] for r in reqs], device=mixed.device)
         s = slots[torch.tensor(reqs, device=slots.device)]
         window = torch.cat([conv_cache[s].to(mixed.dtype), mixed[idx][..., None]], dim=-1)  # [R, C, K]

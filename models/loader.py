@@ -24,7 +24,9 @@ from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
 
 _CLASSES: dict[str, type[nn.Module]] = {
-    "nemotron_h": NemotronHForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
 }
 # Older NemotronH checkpoints name the backbone `backbone.`; transformers 5 names it `model.`.
 _ALIASES = (("backbone.", "model."),)
@@ -81,11 +83,11 @@ def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     original: dict[str, str] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 key = name
                 for old, new in _ALIASES:
                     if key.startswith(old):
-                        key = new + key[len(old):]
+                        key = new + key[len(old) :]
                 tensors[key] = f.get_tensor(name)
                 original[key] = name
     return tensors, original
@@ -123,7 +125,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return _CLASSES[cfg.architecture](cfg)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LoadedModel:
     """Build the model for `config.json`, fill it from safetensors, cast to `dtype` (default:
     the checkpoint's dtype) and move it to `device`."""
     path = Path(model_dir)

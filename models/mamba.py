@@ -74,8 +74,14 @@ class Mamba2Mixer(nn.Module):
         self.spec = spec
         inter = spec.intermediate_size
         self.in_proj = nn.Linear(hidden_size, inter + spec.conv_dim + spec.num_heads, bias=bias)
-        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim,
-                                bias=spec.use_conv_bias, padding=spec.conv_kernel - 1)
+        self.conv1d = nn.Conv1d(
+            spec.conv_dim,
+            spec.conv_dim,
+            spec.conv_kernel,
+            groups=spec.conv_dim,
+            bias=spec.use_conv_bias,
+            padding=spec.conv_kernel - 1,
+        )
         self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, spec.num_heads + 1, dtype=torch.float)))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
@@ -105,7 +111,7 @@ class Mamba2Mixer(nn.Module):
         prev = state.to(seq.dtype) if state is not None else seq.new_zeros((*seq.shape[:2], k - 1))
         full = torch.cat([prev, seq], dim=-1)
         out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=self.spec.conv_dim)
-        return F.silu(out).transpose(1, 2), full[..., -(k - 1):]
+        return F.silu(out).transpose(1, 2), full[..., -(k - 1) :]
 
     def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         y = self.norm(y.flatten(-2).to(dtype), gate)
@@ -120,8 +126,14 @@ class Mamba2Mixer(nn.Module):
         y, _ = chunk_scan(x, self._dt(dt), a, b, c, self.D.float(), self.spec.chunk_size, None)
         return self._finish(y, gate, h.dtype)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, conv_cache: torch.Tensor,
-                ssm_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
         """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
         gate, xbc, dt = self._split(h)
         a = -torch.exp(self.A_log.float())
@@ -145,9 +157,18 @@ class Mamba2Mixer(nn.Module):
             y[lo:hi] = yr[0]
         return self._finish(y, gate, h.dtype)
 
-    def _decode_step(self, reqs: tuple[int, ...], batch: ForwardBatch, xbc: torch.Tensor, dt: torch.Tensor,
-                     a: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, slots: torch.Tensor,
-                     y: torch.Tensor) -> None:
+    def _decode_step(
+        self,
+        reqs: tuple[int, ...],
+        batch: ForwardBatch,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+        slots: torch.Tensor,
+        y: torch.Tensor,
+    ) -> None:
         idx = torch.tensor([batch.query_start[r] for r in reqs], device=xbc.device)
         s = slots[torch.tensor(reqs, device=slots.device)]
         window = torch.cat([conv_cache[s].to(xbc.dtype), xbc[idx][..., None]], dim=-1)  # [R, C, K]

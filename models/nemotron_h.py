@@ -28,9 +28,11 @@ class Attention(nn.Module):
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = h.shape[:-1]
-        return (self.q_proj(h).view(*shape, self.heads, self.head_dim),
-                self.k_proj(h).view(*shape, self.kv_heads, self.head_dim),
-                self.v_proj(h).view(*shape, self.kv_heads, self.head_dim))
+        return (
+            self.q_proj(h).view(*shape, self.heads, self.head_dim),
+            self.k_proj(h).view(*shape, self.kv_heads, self.head_dim),
+            self.v_proj(h).view(*shape, self.kv_heads, self.head_dim),
+        )
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(h)

@@ -109,7 +109,8 @@ def train(model: nn.Module, cfg: TrainConfig, valid: tuple[torch.Tensor, ...]) -
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
     )
     start = time.monotonic()
     for step in range(cfg.steps):
@@ -128,8 +129,10 @@ def train(model: nn.Module, cfg: TrainConfig, valid: tuple[torch.Tensor, ...]) -
             model.eval()
             acc = exact_accuracy(model, valid)
             model.train()
-            print(f"step {step + 1:5d}  loss {loss.item():.4f}  valid exact {acc:.3f}  "
-                  f"{time.monotonic() - start:6.0f}s", flush=True)
+            print(
+                f"step {step + 1:5d}  loss {loss.item():.4f}  valid exact {acc:.3f}  {time.monotonic() - start:6.0f}s",
+                flush=True,
+            )
 
 
 def valid_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,8 +150,9 @@ def write_eval_set(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a shipped tiny hybrid model.")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the model into")
-    parser.add_argument("--arch", choices=sorted(TINY_CONFIGS), default="nemotron_h",
-                        help="model architecture (models.tiny_configs)")
+    parser.add_argument(
+        "--arch", choices=sorted(TINY_CONFIGS), default="nemotron_h", help="model architecture (models.tiny_configs)"
+    )
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="contexts per step")
@@ -162,8 +166,9 @@ def main() -> None:
     # well here; with HF's small-normal scheme a probe sat on the loss plateau for 400 steps.
     cfg_fp32 = ModelConfig.from_hf_dict({**hf, "dtype": "float32"})
     model = build_model(cfg_fp32)
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"layers {cfg_fp32.layer_kinds}", flush=True)
+    print(
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, layers {cfg_fp32.layer_kinds}", flush=True
+    )
 
     cfg = TrainConfig(steps=args.steps, seed=args.seed, batch_size=args.batch_size)
     valid = valid_batch()
@@ -172,8 +177,11 @@ def main() -> None:
     seconds = time.monotonic() - start
 
     model.eval().to(torch.bfloat16)
-    print(f"trained {cfg.steps} steps in {seconds:.0f}s ({seconds / 60:.1f} min, "
-          f"{torch.get_num_threads()} threads); valid exact in bf16 {exact_accuracy(model, valid):.3f}", flush=True)
+    print(
+        f"trained {cfg.steps} steps in {seconds:.0f}s ({seconds / 60:.1f} min, "
+        f"{torch.get_num_threads()} threads); valid exact in bf16 {exact_accuracy(model, valid):.3f}",
+        flush=True,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     save_model(model, hf, args.out)
     write_tokenizer_files(args.out)

@@ -24,8 +24,11 @@ from serve.config import Config, parse_args
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stop", action="store_true",
-                        help="stop a detached raypd service on the cluster (--address or RAY_ADDRESS) and exit")
+    parser.add_argument(
+        "--stop",
+        action="store_true",
+        help="stop a detached raypd service on the cluster (--address or RAY_ADDRESS) and exit",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,15 +59,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raypd: cannot start: {e}", file=sys.stderr)
         return 1
     if cfg.detach:
-        print(f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (detached: "
-              "`python -m serve --address ADDRESS --stop` stops it)", flush=True)
+        print(
+            f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (detached: "
+            "`python -m serve --address ADDRESS --stop` stops it)",
+            flush=True,
+        )
         launch.leave(dep)
         return 0
     signal.signal(signal.SIGTERM, on_signal)  # ray.init installed its own
     try:
         if not stopping.is_set():
-            print(f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (Ctrl-C stops it)",
-                  flush=True)
+            print(
+                f"{cfg.describe()}\n\nraypd is serving {cfg.model_name!r} at {dep.url}/v1 (Ctrl-C stops it)", flush=True
+            )
         stopping.wait()
         print("raypd: shutting down", flush=True)
     finally:

@@ -30,8 +30,11 @@ class Ingress:
         def engines(role: str) -> list[Engine]:
             return [by_name[name] for name in engine_names[role]]
 
-        router: Router = (PDRouter(engines("prefill"), engines("decode")) if engine_names["prefill"]
-                          else RoundRobinRouter(engines("decode")))
+        router: Router = (
+            PDRouter(engines("prefill"), engines("decode"))
+            if engine_names["prefill"]
+            else RoundRobinRouter(engines("decode"))
+        )
         supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
         self._app = create_app(cfg, router, background=supervisor.run)
 

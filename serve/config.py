@@ -42,8 +42,9 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def _f(default: Any, doc: str, *, lo: int | None = None, hi: int | None = None, size: bool = False,
-       secret: bool = False) -> Any:
+def _f(
+    default: Any, doc: str, *, lo: int | None = None, hi: int | None = None, size: bool = False, secret: bool = False
+) -> Any:
     """A field that carries its CLI help and checks, so each knob is described in one place."""
     meta = {"doc": doc, "lo": lo, "hi": hi, "size": size, "secret": secret}
     # A secret stays out of repr() so that logging the config cannot leak it.
@@ -76,11 +77,16 @@ class Config:
     decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
     tensor_parallel_size: int = _f(1, "worker actors per engine; only 1 is implemented so far", lo=1, hi=1)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
-    address: str | None = _f(None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a "
-                                   "local cluster")
-    detach: bool = _f(False, "leave the service running when this process exits (needs a cluster: "
-                             "--address or a Ray job); `--stop` ends it")
-    kv_load_failure_policy: FailurePolicy = _f("recompute", "a failed KV load: recompute the prompt, or fail the request")
+    address: str | None = _f(
+        None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a local cluster"
+    )
+    detach: bool = _f(
+        False,
+        "leave the service running when this process exits (needs a cluster: --address or a Ray job); `--stop` ends it",
+    )
+    kv_load_failure_policy: FailurePolicy = _f(
+        "recompute", "a failed KV load: recompute the prompt, or fail the request"
+    )
     kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
     debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")
     debug_kv_fail_percent: int = _f(0, "TESTS: percent of KV loads made to fail", lo=0, hi=100)
@@ -92,8 +98,11 @@ class Config:
             _check(field, getattr(self, field.name))
         # As in vLLM: every running request must be able to get a token in every step.
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError(f"invalid max_num_batched_tokens {self.max_num_batched_tokens}: must be >= "
-                              f"max_num_seqs ({self.max_num_seqs})", "max_num_batched_tokens")
+            raise ConfigError(
+                f"invalid max_num_batched_tokens {self.max_num_batched_tokens}: must be >= "
+                f"max_num_seqs ({self.max_num_seqs})",
+                "max_num_batched_tokens",
+            )
 
     @property
     def model_name(self) -> str:
@@ -269,8 +278,13 @@ def _unknown(message: str, key: str, known: Iterable[str]) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per field plus `--config`; an absent flag leaves no attribute (SUPPRESS), so lower
     layers show through where the user gave nothing."""
-    parser.add_argument("--config", dest="config_file", metavar="PATH", default=argparse.SUPPRESS,
-                        help=f"YAML file of field: value pairs, below {ENV_PREFIX}* variables and flags")
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help=f"YAML file of field: value pairs, below {ENV_PREFIX}* variables and flags",
+    )
     for name, field in _FIELDS.items():
         doc = field.metadata["doc"]
         if field.default is not None:
@@ -293,8 +307,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must map field names to values, not be a "
-                          f"{type(data).__name__}")
+        raise ConfigError(f"config file {path} must map field names to values, not be a {type(data).__name__}")
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -314,7 +327,7 @@ def config_from(ns: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         layers.update((name, (value, path)) for name, value in _read_yaml(path).items())
     for var, text in env.items():
         if var.startswith(ENV_PREFIX) and var != CONFIG_ENV:
-            name = var[len(ENV_PREFIX):].lower()
+            name = var[len(ENV_PREFIX) :].lower()
             if name not in _FIELDS:
                 known = [ENV_PREFIX + n.upper() for n in _FIELDS]
                 raise ConfigError(_unknown(f"unknown environment variable {var}", var, known))
@@ -336,8 +349,11 @@ def _parser(extra: Callable[[argparse.ArgumentParser], None] | None) -> argparse
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) with raypd's flags and those `extra` adds, and build the Config
     into `ns.config`. Any bad value ends the program with a one-line usage error (exit code 2), never a
     traceback, since the person at the terminal needs the value to fix, not the stack."""

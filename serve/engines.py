@@ -35,22 +35,26 @@ def engine_roles(cfg: Config) -> dict[str, Role]:
     """Actor name -> role, prefill engines first."""
     if cfg.colocated:
         return {f"raypd-engine-{i}": "colocated" for i in range(cfg.decode)}
-    return {**{f"raypd-prefill-{i}": "prefill" for i in range(cfg.prefill)},
-            **{f"raypd-decode-{i}": "decode" for i in range(cfg.decode)}}
+    return {
+        **{f"raypd-prefill-{i}": "prefill" for i in range(cfg.prefill)},
+        **{f"raypd-decode-{i}": "decode" for i in range(cfg.decode)},
+    }
 
 
 def engine_names(cfg: Config) -> dict[str, list[str]]:
     """Actor names by role; colocated engines stand in the "decode" list."""
     roles = engine_roles(cfg)
-    return {"prefill": [n for n, r in roles.items() if r == "prefill"],
-            "decode": [n for n, r in roles.items() if r != "prefill"]}
+    return {
+        "prefill": [n for n, r in roles.items() if r == "prefill"],
+        "decode": [n for n, r in roles.items() if r != "prefill"],
+    }
 
 
 def create_engine(cfg: Config, name: str, role: Role) -> Any:
     cluster = ray.cluster_resources()
-    return RemoteScheduler.options(name=name, namespace=NAMESPACE, lifetime="detached",
-                                   **engine_options(cfg, role, cluster)).remote(
-        cfg.to_dict(), role, name, worker_options(cfg, role, cluster))
+    return RemoteScheduler.options(
+        name=name, namespace=NAMESPACE, lifetime="detached", **engine_options(cfg, role, cluster)
+    ).remote(cfg.to_dict(), role, name, worker_options(cfg, role, cluster))
 
 
 def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
@@ -96,8 +100,14 @@ class EngineSupervisor:
     """Looks at every engine each `interval_s` and replaces the failed ones. `on_replaced`
     gets the new handle, so the router's clients reach the new actor."""
 
-    def __init__(self, cfg: Config, handles: dict[str, Any], on_replaced: Callable[[str, Any], None],
-                 interval_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        handles: dict[str, Any],
+        on_replaced: Callable[[str, Any], None],
+        interval_s: float = 0.5,
+        probe_timeout_s: float = 5.0,
+    ) -> None:
         self.cfg = cfg
         self.roles = engine_roles(cfg)
         self.handles = dict(handles)

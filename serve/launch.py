@@ -12,6 +12,7 @@ detached named actors anyway and the Serve app lives in Serve's own detached con
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,13 +49,19 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     try:
         if not ray.is_initialized():
             if cfg.detach and cluster_address(cfg) is None:
-                raise ValueError("--detach needs a running cluster to stay on: give --address (or RAY_ADDRESS, "
-                                 "which a Ray job sets)")
+                raise ValueError(
+                    "--detach needs a running cluster to stay on: give --address (or RAY_ADDRESS, which a Ray job sets)"
+                )
             if cluster_address(cfg) is None:
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
                 # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
-                ray.init(address="local", namespace=NAMESPACE, num_cpus=max(8, os.cpu_count() or 1),
-                         logging_level=cfg.log_level, **ray_init)
+                ray.init(
+                    address="local",
+                    namespace=NAMESPACE,
+                    num_cpus=max(8, os.cpu_count() or 1),
+                    logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+                    **ray_init,
+                )
                 dep.started_cluster = True
             else:
                 _join(cfg)
@@ -77,12 +84,18 @@ def cluster_address(cfg: Config) -> str | None:
 
 def _join(cfg: Config) -> None:
     try:
-        ray.init(address=cluster_address(cfg), namespace=NAMESPACE, logging_level=cfg.log_level)
+        ray.init(
+            address=cluster_address(cfg),
+            namespace=NAMESPACE,
+            logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+        )
     except ConnectionError as e:
         # Ray enables token auth only for clusters it finds itself, never for an explicit address.
         if os.environ.get("RAY_AUTH_MODE") is None:
-            raise ConnectionError(f"{e} (if the cluster uses token authentication, as `ray start` does by "
-                                  "default, set RAY_AUTH_MODE=token)") from e
+            raise ConnectionError(
+                f"{e} (if the cluster uses token authentication, as `ray start` does by "
+                "default, set RAY_AUTH_MODE=token)"
+            ) from e
         raise
 
 
@@ -114,8 +127,11 @@ def stop_detached(cfg: Config) -> list[str]:
     try:
         with contextlib.suppress(RayServeException):  # no Serve on the cluster: no app to delete
             serve.delete(APP_NAME)
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-"))
+        names = sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-")
+        )
         stop_engines(names, ENGINE_SHUTDOWN_TIMEOUT_S)
         return names
     finally:

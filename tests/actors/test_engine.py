@@ -28,8 +28,9 @@ def checkpoint(request, tmp_path_factory):
 def workload(n: int, seed: int = 0, shared_prefix: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(2, 90) for _ in range(shared_prefix)]
-    return [(prefix + [rng.randrange(2, 90) for _ in range(rng.randrange(1, 48))], rng.randrange(1, 24))
-            for _ in range(n)]
+    return [
+        (prefix + [rng.randrange(2, 90) for _ in range(rng.randrange(1, 48))], rng.randrange(1, 24)) for _ in range(n)
+    ]
 
 
 def alone(path: str, reqs) -> list[list[int]]:
@@ -66,11 +67,19 @@ def run_local(cfg: Config, reqs) -> tuple[list[list[int]], object]:
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("pool", ["roomy", "tight"])
 def test_concurrent_equals_alone(checkpoint, async_scheduling, pool):
-    kind, path = checkpoint
+    _kind, path = checkpoint
     reqs = workload(32)
-    cfg = Config(model=path, dtype="float32", device="cpu", block_size=4,
-                 num_kv_blocks=600 if pool == "roomy" else 90, max_num_seqs=32, max_num_batched_tokens=256,
-                 async_scheduling=async_scheduling, enable_prefix_caching=True)
+    cfg = Config(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=600 if pool == "roomy" else 90,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=True,
+    )
     got, stats = run_local(cfg, reqs)
     assert got == alone(path, reqs)
     assert stats.num_blocks_free == stats.num_blocks_total
@@ -83,8 +92,16 @@ def test_prefix_caching_dense(checkpoint):
     if kind != "qwen3":
         pytest.skip("prefix caching applies to attention-only models")
     reqs = workload(16, seed=1, shared_prefix=24)
-    cfg = Config(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=600,
-                 max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True)
+    cfg = Config(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=600,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
     got, stats = run_local(cfg, reqs)
     assert got == alone(path, reqs)
     assert stats.num_blocks_free == stats.num_blocks_total

@@ -24,8 +24,17 @@ def ray_cluster():
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
     save_hf_model("nemotron_h", tmp_path)
-    cfg = Config(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=300,
-                 max_num_seqs=32, max_num_batched_tokens=128, async_scheduling=async_scheduling, worker_threads=1)
+    cfg = Config(
+        model=str(tmp_path),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=300,
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        async_scheduling=async_scheduling,
+        worker_threads=1,
+    )
     reqs = workload(32, seed=3)
     engine = RemoteScheduler.remote(cfg.to_dict())
     ray.get(engine.ready.remote())

@@ -29,9 +29,14 @@ def test_greedy_is_argmax_with_unscaled_logprobs():
     assert torch.allclose(torch.tensor(result.logprobs), want)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=1),
-                                    SamplingParams(temperature=1.5, top_p=1e-6),
-                                    SamplingParams(temperature=1.0, top_k=5, top_p=1e-6)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.0, top_k=5, top_p=1e-6),
+    ],
+)
 def test_narrowest_filters_are_greedy(params):
     logits = _logits(8, seed=1)
     for seed in range(3):
@@ -49,8 +54,12 @@ def test_seeded_request_ignores_its_neighbours():
     logits = _logits(5, seed=2)
     mine = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
     alone = [_sample([mine], logits[2:3], seed=s).token_ids[0] for s in range(2)]
-    crowd = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3),
-             SamplingParams(temperature=1.3), SamplingParams(temperature=1.0, seed=99)]
+    crowd = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, seed=99),
+    ]
     together = _sample([crowd[0], crowd[1], mine, crowd[2], crowd[3]], logits, seed=7).token_ids[2]
     reordered = _sample([mine, *crowd], torch.cat([logits[2:3], logits[:2], logits[3:]]), seed=3).token_ids[0]
     assert alone[0] == alone[1] == together == reordered

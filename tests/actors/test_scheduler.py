@@ -30,8 +30,9 @@ def make(groups=HYBRID, num_blocks=200, block_size=4, budget=64, seqs=32, prefix
 
 def run(sched: Scheduler, worker: FakeWorker, requests, async_scheduling: bool):
     async def main():
-        core = EngineCore(sched, [lambda out: asyncio.wrap_future(worker.execute_model(out))],
-                          async_scheduling, eos_token_id=None)
+        core = EngineCore(
+            sched, [lambda out: asyncio.wrap_future(worker.execute_model(out))], async_scheduling, eos_token_id=None
+        )
         client = EngineClient(EngineCalls.local(core))
 
         async def one(i, prompt, sp):
@@ -51,8 +52,13 @@ def run(sched: Scheduler, worker: FakeWorker, requests, async_scheduling: bool):
 
 def workload(n=32, seed=0, max_len=40):
     rng = random.Random(seed)
-    return [([rng.randrange(50) for _ in range(rng.randrange(1, max_len))],
-             SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0)) for _ in range(n)]
+    return [
+        (
+            [rng.randrange(50) for _ in range(rng.randrange(1, max_len))],
+            SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0),
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -132,7 +138,7 @@ def test_prefix_cache_hit_on_dense_model():
     reqs = [(shared + [20 + i], SamplingParams(max_tokens=3, temperature=0)) for i in range(4)]
     results = run(sched, worker, reqs[:1], async_scheduling=True)
     results += run(sched, worker, reqs[1:], async_scheduling=True)
-    for (p, sp), (toks, _) in zip(reqs, results):
+    for (p, _sp), (toks, _) in zip(reqs, results):
         assert toks == reference(p, 3)
     later = [n.num_computed_tokens for s in worker.steps for n in s.new_reqs][1:]
     assert all(c == 16 for c in later)

@@ -26,8 +26,7 @@ def decode_scheduler(groups=HYBRID, prefix=False, debug=False, policy="recompute
 
 
 def remote(req_id: str, num_tokens: int, groups=HYBRID) -> KVTransferParams:
-    blocks = tuple(tuple(range(100, 100 + -(-num_tokens // BS))) if g.kind == "attention" else (500,)
-                   for g in groups)
+    blocks = tuple(tuple(range(100, 100 + -(-num_tokens // BS))) if g.kind == "attention" else (500,) for g in groups)
     return KVTransferParams("pre-0", "agent-p", blocks, num_tokens, req_id)
 
 
@@ -50,7 +49,7 @@ def test_covered_blocks_are_skipped_only_in_their_step(prompt_len):
     assert out is not None and out.num_scheduled_tokens == {}
     blocks = attention_ids(s, "d")  # the whole prompt's blocks are allocated up front
     covered = blocks[: -(-granted // BS)]
-    fresh = blocks[len(covered):]
+    fresh = blocks[len(covered) :]
     assert len(fresh) == (1 if granted % BS == 0 else 0)
     assert (out.new_block_ids_to_zero or []) == fresh  # zeroed: the load does not write them
     (load,) = out.kv_connector_meta.loads
@@ -159,12 +158,17 @@ def test_abort_before_load_notifies_prefill():
 def test_prefill_side_holds_blocks_until_notified_or_lease():
     kv = KVCacheManager(HYBRID, 40, BS, enable_prefix_caching=False)
     clock = [0.0]
-    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256),
-                  DisaggConfig("prefill", "pre-0", lease_s=5, agent_name="agent-p"))
+    s = Scheduler(
+        SchedulerConfig(64, 8, 256),
+        kv,
+        StopChecker(None, 256),
+        DisaggConfig("prefill", "pre-0", lease_s=5, agent_name="agent-p"),
+    )
     s.connector.clock = lambda: clock[0]
     for rid in ("x", "y"):
-        s.add_request(Request(rid, list(range(9)), SamplingParams(max_tokens=1, temperature=0), None,
-                              do_remote_decode=True))
+        s.add_request(
+            Request(rid, list(range(9)), SamplingParams(max_tokens=1, temperature=0), None, do_remote_decode=True)
+        )
     out = s.schedule()
     outs = s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1, "y": 1}))
     params = {o.req_id: KVTransferParams.from_dict(o.kv_transfer_params) for o in outs}
@@ -183,10 +187,12 @@ def test_prefill_side_holds_blocks_until_notified_or_lease():
 
 def test_abort_on_prefill_drops_held_blocks():
     kv = KVCacheManager(HYBRID, 40, BS, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256),
-                  DisaggConfig("prefill", "pre-0", agent_name="agent-p"))
-    s.add_request(Request("x", list(range(9)), SamplingParams(max_tokens=1, temperature=0), None,
-                          do_remote_decode=True))
+    s = Scheduler(
+        SchedulerConfig(64, 8, 256), kv, StopChecker(None, 256), DisaggConfig("prefill", "pre-0", agent_name="agent-p")
+    )
+    s.add_request(
+        Request("x", list(range(9)), SamplingParams(max_tokens=1, temperature=0), None, do_remote_decode=True)
+    )
     out = s.schedule()
     s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1}))
     assert kv.num_free_blocks < kv.num_blocks
@@ -208,8 +214,9 @@ def test_loads_fill_the_pool_without_deadlock():
         if step is None:
             break
         sampled = {r: 1 for r in step.num_scheduled_tokens}
-        done |= {o.req_id for o in s.update_from_output(step, ModelRunnerOutput(step.step_id, sampled))
-                 if o.finish_reason}
+        done |= {
+            o.req_id for o in s.update_from_output(step, ModelRunnerOutput(step.step_id, sampled)) if o.finish_reason
+        }
     assert done == {"a", "b"} and s.kv.num_free_blocks == s.kv.num_blocks
 
 
@@ -245,11 +252,14 @@ def test_a_step_that_zeroes_a_requests_blocks_fences_their_free():
     assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
-@pytest.mark.parametrize("params, why", [
-    (remote("x", 12), "cover 12 tokens"),
-    (KVTransferParams("p", "a", ((100,), (500,)), 8, "x"), "expected 2"),
-    (KVTransferParams("p", "a", ((100, 101),), 8, "x"), "cache groups"),
-])
+@pytest.mark.parametrize(
+    "params, why",
+    [
+        (remote("x", 12), "cover 12 tokens"),
+        (KVTransferParams("p", "a", ((100,), (500,)), 8, "x"), "expected 2"),
+        (KVTransferParams("p", "a", ((100, 101),), 8, "x"), "cache groups"),
+    ],
+)
 def test_bad_transfer_params_are_rejected(params, why):
     from actors.messages import InvalidRequestError
 

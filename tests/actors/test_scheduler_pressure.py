@@ -154,8 +154,9 @@ def test_finding5_a_client_cancelled_during_add_leaves_no_orphan():
 
 def expiring(req_id: str, num_tokens: int, expires_at: float, groups=HYBRID) -> KVTransferParams:
     p = remote(req_id, num_tokens, groups)
-    return KVTransferParams(p.remote_engine_id, p.remote_agent_name, p.remote_block_ids, p.num_tokens,
-                            p.request_id, expires_at)
+    return KVTransferParams(
+        p.remote_engine_id, p.remote_agent_name, p.remote_block_ids, p.num_tokens, p.request_id, expires_at
+    )
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -204,8 +205,7 @@ def test_a_request_the_worker_could_not_run_fails_alone():
     s.add_request(Request("sharer", shared + [41], SamplingParams(max_tokens=3, temperature=0), None))
     step1 = s.schedule()  # async: "sharer" hits the blocks "bad" is still computing
     assert step1.new_reqs[0].num_computed_tokens == 8
-    outs = s.update_from_output(step0, ModelRunnerOutput(step0.step_id, {"other": 1},
-                                                         failed_reqs={"bad": "injected"}))
+    outs = s.update_from_output(step0, ModelRunnerOutput(step0.step_id, {"other": 1}, failed_reqs={"bad": "injected"}))
     ended = {o.req_id: o for o in outs if o.finish_reason}
     assert set(ended) == {"bad", "sharer"}
     assert ended["bad"].error == "injected" and "prefix" in ended["sharer"].error

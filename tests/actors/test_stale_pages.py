@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from actors.scheduler import Scheduler
 from actors.reference import greedy_generate
+from actors.scheduler import Scheduler
 from models.loader import load_model
 from serve.config import Config
 from tests.actors.test_engine import run_local
@@ -39,13 +39,22 @@ def _reference(path: str, reqs) -> list[list[int]]:
 @pytest.mark.parametrize("zeroing", [True, False])
 def test_stale_mamba_page_reused_as_attention(hybrid, monkeypatch, zeroing):
     if not zeroing:
+
         def no_zeroing(self: Scheduler, step: int) -> None:
             self.kv.take_blocks_to_zero()
             return None
 
         monkeypatch.setattr(Scheduler, "_get_new_block_ids_to_zero", no_zeroing)
-    cfg = Config(model=hybrid, dtype="float32", kv_cache_dtype="float16", device="cpu", block_size=4,
-                 num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = Config(
+        model=hybrid,
+        dtype="float32",
+        kv_cache_dtype="float16",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
     reqs = _workload()
     got, stats = run_local(cfg, reqs)
     want = _reference(hybrid, reqs)

@@ -17,8 +17,8 @@ from actors.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from actors.worker import Worker, WorkerConfig
 from actors.reference import greedy_generate
+from actors.worker import Worker, WorkerConfig
 from tests.models.hf_fixtures import save_hf_model
 
 BLOCK = 4
@@ -79,14 +79,16 @@ class Driver:
                 added.append(more)
                 to_zero += more if group.kind == "attention" else []
             if not req.sent:
-                new_reqs.append(NewRequestData(req_id, req.prompt, req.sampling, [list(b) for b in req.blocks],
-                                               req.num_computed))
+                new_reqs.append(
+                    NewRequestData(req_id, req.prompt, req.sampling, [list(b) for b in req.blocks], req.num_computed)
+                )
             else:
                 cached.append(CachedRequestData(req_id, req.num_computed, added, resumed=req.resumed))
             req.sent, req.resumed = True, False
             req.num_computed += n
-        out = SchedulerOutput(self.step_id, new_reqs, cached, dict(schedule), self.finished,
-                              to_zero if zero and to_zero else None)
+        out = SchedulerOutput(
+            self.step_id, new_reqs, cached, dict(schedule), self.finished, to_zero if zero and to_zero else None
+        )
         self.step_id, self.finished = self.step_id + 1, []
         return out
 
@@ -205,8 +207,9 @@ def test_finished_requests_are_forgotten(checkpoint):
     assert idle == ModelRunnerOutput(idle.step_id, {}, {}, 2)
     assert set(worker.requests) == {"b"}
     no_blocks = [[] for _ in worker.layout.groups]
-    late = worker.execute_model_sync(SchedulerOutput(drv.step_id, [], [CachedRequestData("a", 7, no_blocks)],
-                                                     {"a": 1}, [], None))
+    late = worker.execute_model_sync(
+        SchedulerOutput(drv.step_id, [], [CachedRequestData("a", 7, no_blocks)], {"a": 1}, [], None)
+    )
     assert "'a' is unknown" in late.failed_reqs["a"] and not late.sampled
     worker.close()
 
@@ -227,8 +230,9 @@ def test_a_bad_request_fails_alone_and_the_rest_of_the_step_runs(checkpoint):
     assert drv.reqs["c"].outputs == want
     with pytest.raises(ValueError, match="must be in order"):
         worker.execute_model(SchedulerOutput(0, [], [], {}, [], None))
-    twice = worker.execute_model_sync(SchedulerOutput(
-        drv.step_id, [NewRequestData("c", [1], GREEDY, [[0] for _ in drv.groups], 0)], [], {}, [], None))
+    twice = worker.execute_model_sync(
+        SchedulerOutput(drv.step_id, [NewRequestData("c", [1], GREEDY, [[0] for _ in drv.groups], 0)], [], {}, [], None)
+    )
     assert "already running" in twice.failed_reqs["c"]
     worker.close()
 

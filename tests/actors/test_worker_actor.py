@@ -18,8 +18,9 @@ from tests.models.hf_fixtures import save_hf_model
 
 def assert_same(remote: list[ModelRunnerOutput], local: list[ModelRunnerOutput]) -> None:
     """Tokens exactly; logprobs up to the float reordering of a different thread count."""
-    assert [(r.step_id, r.sampled, r.num_zeroed_blocks) for r in remote] == \
-        [(r.step_id, r.sampled, r.num_zeroed_blocks) for r in local]
+    assert [(r.step_id, r.sampled, r.num_zeroed_blocks) for r in remote] == [
+        (r.step_id, r.sampled, r.num_zeroed_blocks) for r in local
+    ]
     for r, w in zip(remote, local):
         assert r.logprobs.keys() == w.logprobs.keys()
         assert all(abs(r.logprobs[k] - w.logprobs[k]) < 1e-4 for k in r.logprobs)
@@ -41,8 +42,9 @@ def cluster():
 
 @pytest.fixture
 def actor(cluster, checkpoint):
-    handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=64, stream_delay_s=0.02),
-                                 num_threads=1)
+    handle = RemoteWorker.remote(
+        WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=64, stream_delay_s=0.02), num_threads=1
+    )
     assert ray.get(handle.ready.remote())
     yield handle
     ray.get(handle.shutdown.remote())
@@ -90,6 +92,6 @@ def test_num_threads_is_applied(checkpoint):
 
 def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
     worker = WorkerActor(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8), step_wait_s=0.05)
-    with pytest.raises(TimeoutError, match="step 1 waited .* for step 0"):
+    with pytest.raises(TimeoutError, match=r"step 1 waited .* for step 0"):
         asyncio.run(worker.execute_model(SchedulerOutput(1, [], [], {}, [], None)))
     worker.shutdown()

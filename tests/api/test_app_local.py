@@ -21,8 +21,17 @@ KEY = "sk-local"
 
 
 def config(checkpoint: str, **kw) -> Config:
-    return Config(model=checkpoint, served_model_name="tiny", dtype="float32", device="cpu", block_size=4,
-                  num_kv_blocks=128, max_model_len=256, worker_threads=1, **kw)
+    return Config(
+        model=checkpoint,
+        served_model_name="tiny",
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=128,
+        max_model_len=256,
+        worker_threads=1,
+        **kw,
+    )
 
 
 def run(cfg: Config, fn, core=None):
@@ -46,7 +55,7 @@ def run(cfg: Config, fn, core=None):
 
 
 def events(text: str) -> list:
-    data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
 
@@ -96,8 +105,11 @@ def test_full_queue_is_503_with_retry_after(checkpoint):
     assert r.status_code == 503
     assert r.headers["Retry-After"] == "1"
     assert r.json()["error"]["code"] == "engine_overloaded"
-    samples = {(s.name, s.labels.get("outcome")): s.value
-               for f in text_string_to_metric_families(metrics.text) for s in f.samples}
+    samples = {
+        (s.name, s.labels.get("outcome")): s.value
+        for f in text_string_to_metric_families(metrics.text)
+        for s in f.samples
+    }
     assert samples[("raypd_requests_total", "overloaded")] == 1
 
 
@@ -108,8 +120,10 @@ class FailingCore(OverloadedCore):
         self.outputs = []
 
     def add_request(self, req_id, ids, sampling, **kw):
-        self.outputs = [RequestOutput(req_id, [5], None, None, len(ids), 1),
-                        RequestOutput(req_id, [], None, "error", len(ids), 1, error="worker died")]
+        self.outputs = [
+            RequestOutput(req_id, [5], None, None, len(ids), 1),
+            RequestOutput(req_id, [], None, "error", len(ids), 1, error="worker died"),
+        ]
 
     async def get_outputs(self, timeout=None):
         await asyncio.sleep(0.01)
@@ -133,11 +147,22 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error(checkpoint):
 
 def test_several_prompts_and_choices(checkpoint):
     async def fn(c):
-        body = {"model": "tiny", "prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 4, "seed": 7,
-                "ignore_eos": True, "logprobs": 0}
-        return (await c.post("/v1/completions", json=body)).json(), \
-            events((await c.post("/v1/completions", json={**body, "stream": True,
-                                                          "stream_options": {"include_usage": True}})).text)
+        body = {
+            "model": "tiny",
+            "prompt": [[1, 2, 3], [4, 5]],
+            "n": 2,
+            "max_tokens": 4,
+            "seed": 7,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+        return (await c.post("/v1/completions", json=body)).json(), events(
+            (
+                await c.post(
+                    "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+                )
+            ).text
+        )
 
     whole, chunks = run(config(checkpoint), fn)
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
@@ -147,16 +172,24 @@ def test_several_prompts_and_choices(checkpoint):
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4
         assert all(x <= 0 for x in lp["token_logprobs"])
-    texts = {i: "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"] and ch["choices"][0]["index"] == i)
-             for i in range(4)}
+    texts = {
+        i: "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"] and ch["choices"][0]["index"] == i)
+        for i in range(4)
+    }
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # same seeds, same text
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
 def test_chat_logprobs_and_max_completion_tokens(checkpoint):
     async def fn(c):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "t1 t2"}]}],
-                "max_completion_tokens": 3, "logprobs": True, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "t1 t2"}]}],
+            "max_completion_tokens": 3,
+            "logprobs": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         return (await c.post("/v1/chat/completions", json=body)).json()
 
     r = run(config(checkpoint), fn)
@@ -172,27 +205,42 @@ def test_metrics_parse_and_name_every_family(checkpoint):
         return (await c.get("/metrics")).text
 
     families = {f.name: f for f in text_string_to_metric_families(run(config(checkpoint), fn))}
-    expected = {"raypd_requests", "raypd_time_to_first_token_seconds", "raypd_inter_token_latency_seconds",
-                "raypd_e2e_request_latency_seconds", "raypd_prompt_tokens", "raypd_generation_tokens",
-                "raypd_num_requests_running", "raypd_num_requests_waiting", "raypd_kv_blocks_in_use",
-                "raypd_kv_blocks_capacity", "raypd_kv_blocks_zeroed", "raypd_kv_blocks_zero_skipped"}
+    expected = {
+        "raypd_requests",
+        "raypd_time_to_first_token_seconds",
+        "raypd_inter_token_latency_seconds",
+        "raypd_e2e_request_latency_seconds",
+        "raypd_prompt_tokens",
+        "raypd_generation_tokens",
+        "raypd_num_requests_running",
+        "raypd_num_requests_waiting",
+        "raypd_kv_blocks_in_use",
+        "raypd_kv_blocks_capacity",
+        "raypd_kv_blocks_zeroed",
+        "raypd_kv_blocks_zero_skipped",
+    }
     assert expected <= set(families)
     outcomes = {s.labels["outcome"]: s.value for s in families["raypd_requests"].samples if s.name.endswith("_total")}
     assert outcomes == {"success": 1, "rejected": 1}
-    value = {f: families[f].samples[0].value for f in ("raypd_kv_blocks_capacity", "raypd_prompt_tokens",
-                                                        "raypd_generation_tokens")}
+    value = {
+        f: families[f].samples[0].value
+        for f in ("raypd_kv_blocks_capacity", "raypd_prompt_tokens", "raypd_generation_tokens")
+    }
     assert value == {"raypd_kv_blocks_capacity": 128, "raypd_prompt_tokens": 2, "raypd_generation_tokens": 3}
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": [96]}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": "t1", "n": 0}, "n"),
-    ({"prompt": "t1", "top_p": 0}, "top_p"),
-    ({"prompt": "t1", "stop": [""]}, "stop"),
-    ({"prompt": "t1", "logprobs": 9}, "logprobs"),
-    ({"prompt": ["t1", [2]]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [96]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "t1", "n": 0}, "n"),
+        ({"prompt": "t1", "top_p": 0}, "top_p"),
+        ({"prompt": "t1", "stop": [""]}, "stop"),
+        ({"prompt": "t1", "logprobs": 9}, "logprobs"),
+        ({"prompt": ["t1", [2]]}, "prompt"),
+    ],
+)
 def test_more_invalid_values(checkpoint, body, param):
     async def fn(c):
         return await c.post("/v1/completions", json={"model": "tiny", **body})
@@ -213,15 +261,23 @@ def test_a_body_beyond_the_limit_is_413_before_it_is_read_whole(checkpoint):
             for _ in range(n):
                 yield chunk
             yield b"}"
+
         return gen()
 
     async def fn(c):
-        declared = await c.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
-                                headers={"Content-Type": "application/json"})
-        streamed = await c.post("/v1/completions", content=chunks(MAX_BODY_BYTES // len(chunk)),
-                                headers={"Content-Type": "application/json"})
-        within = await c.post("/v1/completions", content=chunks(MAX_BODY_BYTES // len(chunk) - 1),
-                              headers={"Content-Type": "application/json"})
+        declared = await c.post(
+            "/v1/completions", content=b" " * (MAX_BODY_BYTES + 1), headers={"Content-Type": "application/json"}
+        )
+        streamed = await c.post(
+            "/v1/completions",
+            content=chunks(MAX_BODY_BYTES // len(chunk)),
+            headers={"Content-Type": "application/json"},
+        )
+        within = await c.post(
+            "/v1/completions",
+            content=chunks(MAX_BODY_BYTES // len(chunk) - 1),
+            headers={"Content-Type": "application/json"},
+        )
         return declared, streamed, within
 
     declared, streamed, within = run(config(checkpoint), fn)
@@ -238,11 +294,20 @@ def test_chat_uses_the_models_template(checkpoint, tmp_path):
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
     async def fn(c):
-        body = {"model": "tiny", "messages": [{"role": "system", "content": "t1"}, {"role": "user", "content": "t2"}],
-                "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "t1"}, {"role": "user", "content": "t2"}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         chat = (await c.post("/v1/chat/completions", json=body)).json()
-        completion = (await c.post("/v1/completions", json={"model": "tiny", "prompt": "t1 t2 t9", "max_tokens": 2,
-                                                             "temperature": 0, "ignore_eos": True})).json()
+        completion = (
+            await c.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "t1 t2 t9", "max_tokens": 2, "temperature": 0, "ignore_eos": True},
+            )
+        ).json()
         return chat, completion
 
     chat, completion = run(config(str(model_dir)), fn)
@@ -278,6 +343,10 @@ def test_round_robin_over_engines_and_per_engine_metrics(checkpoint):
 
     metrics = asyncio.run(main())
     assert [len(core.seen) for core in cores] == [2, 2]
-    engines = {s.labels["engine"] for f in text_string_to_metric_families(metrics) for s in f.samples
-               if s.name == "raypd_kv_blocks_capacity"}
+    engines = {
+        s.labels["engine"]
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "raypd_kv_blocks_capacity"
+    }
     assert engines == {"e0", "e1"}

@@ -39,8 +39,13 @@ def run_server(tmp_path: Path, model: str, *flags: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYPD_")}
     env["RAYPD_MAX_MODEL_LEN"] = "256"  # one knob from the environment, the rest from flags
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", model, "--port", str(port), *flags],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serve", "--model", model, "--port", str(port), *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return proc, f"http://127.0.0.1:{port}", log
 
 
@@ -61,20 +66,25 @@ def stop_server(proc: subprocess.Popen, log: Path) -> None:
 def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path, checkpoint, model):
     if model == "shipped" and not (SHIPPED / "config.json").exists():
         pytest.skip("the shipped model models/tiny-hybrid is not built (make model)")
-    path, flags = (checkpoint, ["--num-kv-blocks", "64", "--dtype", "float32"]) if model == "fixture" else \
-        (str(SHIPPED), [])
+    path, flags = (
+        (checkpoint, ["--num-kv-blocks", "64", "--dtype", "float32"]) if model == "fixture" else (str(SHIPPED), [])
+    )
     proc, url, log = run_server(tmp_path, path, "--worker-threads", "1", *flags)
     try:
         wait_until_up(proc, url, log)
         (card,) = httpx.get(url + "/v1/models").json()["data"]
         assert card["max_model_len"] == 256
         start = time.monotonic()
-        r = httpx.post(url + "/v1/completions", json={"model": card["id"], "prompt": "t1 t2", "max_tokens": 4},
-                       timeout=5)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": card["id"], "prompt": "t1 t2", "max_tokens": 4}, timeout=5
+        )
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
         assert time.monotonic() - start < 5
-        chat = httpx.post(url + "/v1/chat/completions", timeout=5, json={
-            "model": card["id"], "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 4})
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=5,
+            json={"model": card["id"], "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 4},
+        )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
     except BaseException:
         proc.kill()

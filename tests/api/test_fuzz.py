@@ -38,7 +38,7 @@ README_EXAMPLE = {"model": NAME, "prompt": "ab=381;qe=027;zt=950;?qe=", "max_tok
 NAN, INF = float("nan"), float("inf")
 SURROGATE = "\ud800"  # json.dumps writes it as the escape "\ud800", which json.loads reads back unpaired
 HUGE = "x" * (MAX_TEXT_CHARS + 1)  # beyond the schema's bound
-LONG = ("ab=381;" * 150_000)[:10**6]  # a million characters: within the bound, far beyond the context
+LONG = ("ab=381;" * 150_000)[: 10**6]  # a million characters: within the bound, far beyond the context
 
 NOT_INT = ["1", "", SURROGATE, 1.5, 2.0, NAN, INF, -INF, True, False, [], [1], {}, {"a": 1}]
 NOT_NUMBER = ["0.5", "", SURROGATE, True, False, [], [0.5], {}, {"a": 1}]
@@ -60,8 +60,24 @@ COMMON: dict[str, list[Any]] = {
     "top_p": [*NOT_NUMBER, NAN, INF, -INF, 0, 0.0, -0.5, 1.01, *BEYOND_INT64],
     "top_k": [*NOT_INT, -2, 2**31, 2**63 - 1, *BEYOND_INT64],
     "seed": [*NOT_INT, *BEYOND_INT64],
-    "stop": [0, 1.5, NAN, True, {}, {"a": "b"}, "", [""], ["a"] * 5, "x" * 257, ["x" * 257], [1], [None], [["a"]],
-             SURROGATE, [SURROGATE]],
+    "stop": [
+        0,
+        1.5,
+        NAN,
+        True,
+        {},
+        {"a": "b"},
+        "",
+        [""],
+        ["a"] * 5,
+        "x" * 257,
+        ["x" * 257],
+        [1],
+        [None],
+        [["a"]],
+        SURROGATE,
+        [SURROGATE],
+    ],
     "n": [*NOT_INT, 0, -1, 17, *BEYOND_INT64],
     "stream": NOT_BOOL,
     "stream_options": [{"include_usage": True}, {}, "yes", 1, [], [{"include_usage": True}]],  # stream is false
@@ -70,20 +86,66 @@ COMMON: dict[str, list[Any]] = {
 }
 COMPLETION: dict[str, list[Any]] = {
     **COMMON,
-    "prompt": [None, 5, 1.5, NAN, True, {}, {"text": "a"}, "", [], [""], [[]], [-1], [1.5], [True], [None],
-               [1, "a"], ["a", 1], [[[1]]], [[1], []], [[1, -1]], [VOCAB], [2**64], [[2**64]], ["a"] * 65,
-               SURROGATE, [SURROGATE], HUGE, LONG, [1] * CONTEXT],
+    "prompt": [
+        None,
+        5,
+        1.5,
+        NAN,
+        True,
+        {},
+        {"text": "a"},
+        "",
+        [],
+        [""],
+        [[]],
+        [-1],
+        [1.5],
+        [True],
+        [None],
+        [1, "a"],
+        ["a", 1],
+        [[[1]]],
+        [[1], []],
+        [[1, -1]],
+        [VOCAB],
+        [2**64],
+        [[2**64]],
+        ["a"] * 65,
+        SURROGATE,
+        [SURROGATE],
+        HUGE,
+        LONG,
+        [1] * CONTEXT,
+    ],
     "logprobs": [*NOT_INT, -1, 6, *BEYOND_INT64],
 }
 CHAT: dict[str, list[Any]] = {
     **COMMON,
-    "messages": [None, 5, "hi", {}, _message()[0], [], [None], ["hi"], [_message()], [{"content": "x"}],
-                 [{"role": "robot", "content": "x"}], [{"role": 5, "content": "x"}], _message(content=5),
-                 _message(content={"type": "text", "text": "x"}), _message(content=[{"type": "text"}]),
-                 _message(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
-                 _message(content=[{"type": "text", "text": 5}]), _message(content=[{"text": "x"}]),
-                 _message(content=["x"]), _message(name=5), _message(content=SURROGATE),
-                 _message(content=HUGE), _message(content=LONG)],
+    "messages": [
+        None,
+        5,
+        "hi",
+        {},
+        _message()[0],
+        [],
+        [None],
+        ["hi"],
+        [_message()],
+        [{"content": "x"}],
+        [{"role": "robot", "content": "x"}],
+        [{"role": 5, "content": "x"}],
+        _message(content=5),
+        _message(content={"type": "text", "text": "x"}),
+        _message(content=[{"type": "text"}]),
+        _message(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
+        _message(content=[{"type": "text", "text": 5}]),
+        _message(content=[{"text": "x"}]),
+        _message(content=["x"]),
+        _message(name=5),
+        _message(content=SURROGATE),
+        _message(content=HUGE),
+        _message(content=LONG),
+    ],
     "max_completion_tokens": [*NOT_INT, 0, -1, *TOO_MANY_TOKENS],
     "logprobs": NOT_BOOL,
     "top_logprobs": [*NOT_INT, -1, 21, *BEYOND_INT64],
@@ -117,8 +179,18 @@ def fuzzed(rng: random.Random, i: int) -> tuple[str, set[str], Any]:
 
 @pytest.fixture(scope="module")
 def server():
-    cfg = Config(model=str(MODEL_DIR), served_model_name=NAME, device="cpu", num_kv_blocks=256,
-                 max_model_len=CONTEXT, max_num_seqs=32, worker_threads=1, port=free_port(), prefill=1, decode=1)
+    cfg = Config(
+        model=str(MODEL_DIR),
+        served_model_name=NAME,
+        device="cpu",
+        num_kv_blocks=256,
+        max_model_len=CONTEXT,
+        max_num_seqs=32,
+        worker_threads=1,
+        port=free_port(),
+        prefill=1,
+        decode=1,
+    )
     dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
     yield dep
     launch.stop(dep)
@@ -152,10 +224,13 @@ def completes(http: httpx.Client, path: str, body: dict[str, Any]) -> str:
     if not body.get("stream"):
         choice = r.json()["choices"][0]
         return choice["text"] if "text" in choice else choice["message"]["content"]
-    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), r.text
-    return "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
-                   for c in map(json.loads, events[:-1]) if c["choices"])
+    return "".join(
+        c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+        for c in map(json.loads, events[:-1])
+        if c["choices"]
+    )
 
 
 def test_finding_7_top_k_beyond_int64_is_a_400_and_the_engine_lives(http):
@@ -182,8 +257,11 @@ REGRESSIONS = [
     # Nested fields the fuzzed requests reach only behind another broken one.
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
-    ("/v1/chat/completions", {"messages": [*_message(), {"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [*_message(), {"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages",
+    ),
 ]
 
 

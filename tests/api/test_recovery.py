@@ -21,9 +21,19 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "i
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    cfg = Config(model=checkpoint, served_model_name="tiny", dtype="float32", device="cpu", block_size=4,
-                 num_kv_blocks=256, max_model_len=512, max_num_seqs=16, worker_threads=1, port=free_port(),
-                 prefill=1)
+    cfg = Config(
+        model=checkpoint,
+        served_model_name="tiny",
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=256,
+        max_model_len=512,
+        max_num_seqs=16,
+        worker_threads=1,
+        port=free_port(),
+        prefill=1,
+    )
     dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
     yield dep
     launch.stop(dep)

@@ -40,8 +40,15 @@ START_TIMEOUT_S = 30.0
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     """The app on uvicorn in a thread, its engine in the same event loop (as in a Serve replica)."""
-    cfg = Config(model=str(MODEL_DIR), served_model_name="tiny-hybrid", device="cpu", num_kv_blocks=512,
-                 max_model_len=256, max_num_seqs=32, worker_threads=1)
+    cfg = Config(
+        model=str(MODEL_DIR),
+        served_model_name="tiny-hybrid",
+        device="cpu",
+        num_kv_blocks=512,
+        max_model_len=256,
+        max_num_seqs=32,
+        worker_threads=1,
+    )
     core, worker = build_local_engine(cfg)
     app = create_app(cfg, RoundRobinRouter([Engine.local("e0", core)]))
     port = free_port()
@@ -74,8 +81,13 @@ def test_generated_requests_never_get_a_server_error(base_url: str) -> None:
 
     @given(case=cases)
     @seed(SEED)
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def no_server_error(case: schemathesis.Case) -> None:
         response = case.call(base_url=base_url, timeout=REQUEST_TIMEOUT_S)
         statuses[response.status_code] += 1

@@ -28,9 +28,21 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["colocated", "1P1D"])
 def server(checkpoint, request):
-    cfg = Config(model=checkpoint, served_model_name=MODEL, dtype="float32", device="cpu", block_size=4,
-                 num_kv_blocks=512, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
-                 worker_threads=1, api_key=KEY, port=free_port(), prefill=request.param)
+    cfg = Config(
+        model=checkpoint,
+        served_model_name=MODEL,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=512,
+        max_model_len=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        worker_threads=1,
+        api_key=KEY,
+        port=free_port(),
+        prefill=request.param,
+    )
     dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
     yield dep
     launch.stop(dep)
@@ -69,8 +81,11 @@ def engine_greedy(cfg: Config, prompt: list[int], n: int) -> list[int]:
     async def main():
         core, worker = build_local_engine(cfg)
         client = EngineClient(EngineCalls.local(core))
-        ids = [t for out in [o async for o in client.generate(prompt, SamplingParams(n, 0.0, ignore_eos=True))]
-               for t in out.new_token_ids]
+        ids = [
+            t
+            for out in [o async for o in client.generate(prompt, SamplingParams(n, 0.0, ignore_eos=True))]
+            for t in out.new_token_ids
+        ]
         await client.close()
         await core.close()
         worker.close()
@@ -96,8 +111,11 @@ def test_completion_is_the_engines_greedy_output(server, client):
 
 def test_streamed_completion_equals_whole_and_counts_usage(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, **GREEDY)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=10, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
@@ -111,8 +129,11 @@ def test_chat_whole_and_streamed(client):
     assert whole.choices[0].message.content == completion.choices[0].text  # built-in template: the content
     assert whole.choices[0].message.role == "assistant"
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 8)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage == whole.usage
@@ -127,16 +148,22 @@ def test_stop_strings(client):
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
     # The engine ran until the token that completed the stop string, and usage says so.
     assert r.usage.completion_tokens == len(expected.split()) + 1
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stop=[stop, "zzz"],
-                                            stream=True, **GREEDY))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stop=[stop, "zzz"], stream=True, **GREEDY)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed):
-        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
-                                          extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(42) == sample(42)
     assert sample(42) != sample(43)
@@ -147,9 +174,16 @@ def test_twenty_concurrent_streams_complete(server):
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
         async def one(i):
-            stream = await aclient.completions.create(model=MODEL, prompt=f"t{i + 1} t{i + 2}", max_tokens=16,
-                                                      stream=True, stream_options={"include_usage": True},
-                                                      temperature=0.7, seed=i, extra_body={"ignore_eos": True})
+            stream = await aclient.completions.create(
+                model=MODEL,
+                prompt=f"t{i + 1} t{i + 2}",
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+                temperature=0.7,
+                seed=i,
+                extra_body={"ignore_eos": True},
+            )
             return [c async for c in stream]
 
         try:
@@ -187,8 +221,9 @@ def test_invalid_values_are_400(http, body, param):
 
 
 def test_malformed_json_unknown_model_and_bad_key(server, http, client):
-    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
-                  headers={"Content-Type": "application/json"})
+    r = http.post(
+        "/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-9", prompt="t1", max_tokens=1)
@@ -223,8 +258,7 @@ def test_dropped_request_frees_its_blocks(server, http):
     aborted = metric(http, "raypd_requests_total", outcome="aborted")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=0.5)
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
     # Under load the server may notice the request only after the client gave up: wait for
     # it to count the abort, then the blocks must come back within 2 s.
     deadline = time.monotonic() + 10
@@ -237,8 +271,12 @@ def test_dropped_request_frees_its_blocks(server, http):
 
 def metric(http, name, **labels) -> float:
     text = http.get("/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def test_metrics_parse_and_idle_engine_uses_no_blocks(server, http):
@@ -268,7 +306,7 @@ def test_metrics_break_requests_down_by_phase_and_count_kv_transfers(server, htt
     if server.cfg.colocated:
         assert loads == 0 and metric(http, "raypd_kv_transfer_bytes_total") == 0
         return
-    prefill = list(server.engines)[0]
+    prefill = next(iter(server.engines))
     assert metric(http, "raypd_request_decode_time_seconds_count", engine=prefill) == 0  # it hands over
     assert loads > 0
     assert metric(http, "raypd_kv_transfer_seconds_bucket", engine=decode, le="+Inf") == loads

@@ -59,8 +59,10 @@ def test_builtin_chat_template_joins_contents():
 
 
 def test_model_chat_template_is_rendered_with_generation_prompt():
-    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}")
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}"
+    )
     text = byte_model(template).render_chat([{"role": "user", "content": "hi"}])
     assert text == "<user>hi<assistant><|endoftext|>"
 

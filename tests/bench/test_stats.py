@@ -17,8 +17,13 @@ def ok(start: float, ttft: float, gaps: list[float], prompt: int = 10) -> Sample
 
 
 def test_summary_in_vllm_terms():
-    samples = [ok(0.0, 0.1, [0.01] * 4), ok(0.5, 0.3, [0.05] * 4), Sample(0.2, False, "http_503"),
-               Sample(0.3, False, "timeout"), Sample(0.4, False, "http_503")]
+    samples = [
+        ok(0.0, 0.1, [0.01] * 4),
+        ok(0.5, 0.3, [0.05] * 4),
+        Sample(0.2, False, "http_503"),
+        Sample(0.3, False, "timeout"),
+        Sample(0.4, False, "http_503"),
+    ]
     r = summarize(samples, duration_s=2.0, slo=Slo(ttft_ms=200, tpot_ms=20), num_prompts=6)
     assert (r["completed"], r["failed"], r["not_sent"]) == (2, 3, 1)
     assert r["failed_by_type"] == {"http_503": 2, "timeout": 1}
@@ -47,14 +52,22 @@ def test_timeline_puts_tokens_and_completions_in_their_slices():
 
 
 def test_breakdown_takes_the_runs_delta_per_engine():
-    before = {("raypd_request_queue_time_seconds_count", "d"): 2.0,
-              ("raypd_request_queue_time_seconds_sum", "d"): 1.0,
-              ("raypd_kv_transfer_seconds_count", "d"): 1.0, ("raypd_kv_transfer_seconds_sum", "d"): 0.5,
-              ("raypd_kv_transfer_bytes_total", "d"): 100.0}
-    after = {**before, ("raypd_request_queue_time_seconds_count", "d"): 6.0,
-             ("raypd_request_queue_time_seconds_sum", "d"): 3.0,
-             ("raypd_kv_transfer_seconds_count", "d"): 5.0, ("raypd_kv_transfer_seconds_sum", "d"): 0.9,
-             ("raypd_kv_transfer_bytes_total", "d"): 4_000_100.0, ("raypd_kv_blocks_capacity", "d"): 64.0}
+    before = {
+        ("raypd_request_queue_time_seconds_count", "d"): 2.0,
+        ("raypd_request_queue_time_seconds_sum", "d"): 1.0,
+        ("raypd_kv_transfer_seconds_count", "d"): 1.0,
+        ("raypd_kv_transfer_seconds_sum", "d"): 0.5,
+        ("raypd_kv_transfer_bytes_total", "d"): 100.0,
+    }
+    after = {
+        **before,
+        ("raypd_request_queue_time_seconds_count", "d"): 6.0,
+        ("raypd_request_queue_time_seconds_sum", "d"): 3.0,
+        ("raypd_kv_transfer_seconds_count", "d"): 5.0,
+        ("raypd_kv_transfer_seconds_sum", "d"): 0.9,
+        ("raypd_kv_transfer_bytes_total", "d"): 4_000_100.0,
+        ("raypd_kv_blocks_capacity", "d"): 64.0,
+    }
     row = breakdown(before, after)["d"]
     assert row["queue_requests"] == 4 and row["mean_queue_time_ms"] == pytest.approx(500.0)
     assert row["kv_transfer_loads"] == 4 and row["mean_kv_transfer_time_ms"] == pytest.approx(100.0)

@@ -55,8 +55,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-          "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
+_PORTS = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+)
 _WORKER_PORTS = _PORTS[3:]
 
 
@@ -69,17 +76,34 @@ def ray_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def start_node(temp_dir: Path, *, head_address: str | None = None, num_cpus: int = 4,
-               resources: Mapping[str, float] | None = None, node_ip: str | None = None,
-               prefix: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               dashboard_host: str = "127.0.0.1") -> RayNode:
+def start_node(
+    temp_dir: Path,
+    *,
+    head_address: str | None = None,
+    num_cpus: int = 4,
+    resources: Mapping[str, float] | None = None,
+    node_ip: str | None = None,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    dashboard_host: str = "127.0.0.1",
+) -> RayNode:
     """A head node (no `head_address`) or a worker node joining one. `prefix` runs the command
     through another (`ip netns exec NS`); `env` is added to the node's environment."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     names = _WORKER_PORTS if head_address else _PORTS
     ports = dict(zip(names, free_ports(len(names)), strict=False))
-    cmd = [*prefix, RAY, "start", "--block", "--temp-dir", str(temp_dir), "--num-cpus", str(num_cpus),
-           "--disable-usage-stats", *(f"--{k}={v}" for k, v in ports.items())]
+    cmd = [
+        *prefix,
+        RAY,
+        "start",
+        "--block",
+        "--temp-dir",
+        str(temp_dir),
+        "--num-cpus",
+        str(num_cpus),
+        "--disable-usage-stats",
+        *(f"--{k}={v}" for k, v in ports.items()),
+    ]
     if head_address:
         cmd += ["--address", head_address]
     else:
@@ -92,8 +116,9 @@ def start_node(temp_dir: Path, *, head_address: str | None = None, num_cpus: int
     # A raylet on a busy 2-core machine can take longer than Ray's 30 s to register with the GCS.
     node_env = {"RAY_raylet_start_wait_time_s": str(REGISTER_TIMEOUT_S), **(env or {})}
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ray_env(node_env),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=ray_env(node_env), start_new_session=True
+        )
     return RayNode(proc, temp_dir, log, ports)
 
 

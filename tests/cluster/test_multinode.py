@@ -60,8 +60,14 @@ def on(host, *cmd: str, timeout: float = STEP_TIMEOUT_S) -> subprocess.Completed
 
 def ray_list(kind: str, dashboard: str) -> list[dict]:
     """`ray list nodes|actors` through the dashboard, with the cluster's token."""
-    run = subprocess.run([RAY, "list", kind, "--address", dashboard, "--format", "json", "--limit", "10000"],
-                         env=ray_env(), capture_output=True, text=True, timeout=120, check=True)
+    run = subprocess.run(
+        [RAY, "list", kind, "--address", dashboard, "--format", "json", "--limit", "10000"],
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(run.stdout)
 
 
@@ -79,8 +85,14 @@ def colocated_greedy(prompts: list[str]) -> list[str]:
         tok = Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
         outs = []
         for p in prompts:
-            ids = [t for out in [o async for o in client.generate(tok.encode(p).ids, SamplingParams(
-                MAX_TOKENS, 0.0, ignore_eos=True))] for t in out.new_token_ids]
+            ids = [
+                t
+                for out in [
+                    o
+                    async for o in client.generate(tok.encode(p).ids, SamplingParams(MAX_TOKENS, 0.0, ignore_eos=True))
+                ]
+                for t in out.new_token_ids
+            ]
             outs.append(tok.decode(ids))
         await client.close()
         await core.close()
@@ -109,52 +121,123 @@ def test_pd_across_network_namespaces(network, tmp_path):
     nodes: list[RayNode] = []
     (port,) = free_ports(1)
     try:
-        head = start_node(temp / "head", node_ip=head_host.address, prefix=head_host.prefix, env=UCX,
-                          dashboard_host="0.0.0.0", num_cpus=4)
+        head = start_node(
+            temp / "head",
+            node_ip=head_host.address,
+            prefix=head_host.prefix,
+            env=UCX,
+            dashboard_host="0.0.0.0",
+            num_cpus=4,
+        )
         nodes.append(head)
         wait_started(head)
         gcs = f"{head_host.address}:{head.gcs_port}"
         for host in (prefill_host, decode_host):
-            nodes.append(start_node(temp / host.name, head_address=gcs, node_ip=host.address, prefix=host.prefix,
-                                    env=UCX, resources={host.name: 1}, num_cpus=2))
+            nodes.append(
+                start_node(
+                    temp / host.name,
+                    head_address=gcs,
+                    node_ip=host.address,
+                    prefix=host.prefix,
+                    env=UCX,
+                    resources={host.name: 1},
+                    num_cpus=2,
+                )
+            )
         for node in nodes[1:]:
             wait_started(node)
         dashboard = f"http://{head_host.address}:{head.dashboard_port}"
         wait_dashboard(dashboard)
 
-        started = on(head_host, sys.executable, "-m", "serve", "--address", gcs, "--detach", "--prefill", "1",
-                     "--decode", "1", "--dtype", DTYPE, "--host", "0.0.0.0", "--port", str(port),
-                     "--worker-threads", "1", "--log-level", "WARNING")
+        started = on(
+            head_host,
+            sys.executable,
+            "-m",
+            "serve",
+            "--address",
+            gcs,
+            "--detach",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--dtype",
+            DTYPE,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--worker-threads",
+            "1",
+            "--log-level",
+            "WARNING",
+        )
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         url = f"http://{head_host.address}:{port}"
 
         # Placement: each engine (scheduler and worker) on the node of its role.
         node_ip = {n["node_id"]: n["node_ip"] for n in ray_list("nodes", dashboard)}
-        where = sorted((a["class_name"], node_ip[a["node_id"]]) for a in ray_list("actors", dashboard)
-                       if a["class_name"] in ("SchedulerActor", "WorkerActor") and a["state"] == "ALIVE")
-        assert where == sorted([("SchedulerActor", prefill_host.address), ("SchedulerActor", decode_host.address),
-                                ("WorkerActor", prefill_host.address), ("WorkerActor", decode_host.address)])
+        where = sorted(
+            (a["class_name"], node_ip[a["node_id"]])
+            for a in ray_list("actors", dashboard)
+            if a["class_name"] in ("SchedulerActor", "WorkerActor") and a["state"] == "ALIVE"
+        )
+        assert where == sorted(
+            [
+                ("SchedulerActor", prefill_host.address),
+                ("SchedulerActor", decode_host.address),
+                ("WorkerActor", prefill_host.address),
+                ("WorkerActor", decode_host.address),
+            ]
+        )
 
         # Greedy outputs equal colocated ones, and the KV crossed the prefill node's veth.
         lines = (Path(DEFAULT_MODEL) / "eval.jsonl").read_text().splitlines()[:GREEDY_PROMPTS]
         prompts = [json.loads(line)["prompt"] for line in lines]
         sent_before = tx_bytes(prefill_host)
-        body = {"model": "tiny-hybrid", "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny-hybrid",
+            "prompt": prompts,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         pd = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
         assert pd == colocated_greedy(prompts)
         metrics = httpx.get(url + "/metrics", timeout=30).text
-        kv_bytes = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                       if line.startswith('raypd_kv_transfer_bytes_total{engine="raypd-decode-0"}'))
+        kv_bytes = sum(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith('raypd_kv_transfer_bytes_total{engine="raypd-decode-0"}')
+        )
         assert kv_bytes > 0 and tx_bytes(prefill_host) - sent_before >= kv_bytes
 
         # 500 streamed requests through the bridge: none fails, every block comes back.
         out = Path(os.environ.get("MULTINODE_REPORT") or tmp_path / "multinode")
-        load = subprocess.run([sys.executable, "-m", "bench.load", "--url", url, "--requests", str(LOAD_REQUESTS),
-                               "--concurrency", "32", "--max-tokens", "16", "--out", str(out)],
-                              cwd=ROOT, env=ray_env(), capture_output=True, text=True, timeout=900)
+        load = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.load",
+                "--url",
+                url,
+                "--requests",
+                str(LOAD_REQUESTS),
+                "--concurrency",
+                "32",
+                "--max-tokens",
+                "16",
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            env=ray_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert load.returncode == 0, load.stdout[-3000:] + load.stderr[-3000:]
         report = json.loads(out.with_suffix(".json").read_text())["runs"][0]
         assert report["completed"] == LOAD_REQUESTS and report["failed"] == 0

@@ -163,9 +163,7 @@ def test_hybrid_model_disables_prefix_caching_and_logs(caplog):
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == 0
 
 
-@pytest.mark.parametrize(
-    ("groups", "needs"), [((ATT,), False), ((ATT, ATT2), False), ((ATT, MAMBA), True)]
-)
+@pytest.mark.parametrize(("groups", "needs"), [((ATT,), False), ((ATT, ATT2), False), ((ATT, MAMBA), True)])
 def test_zeroes_new_blocks_only_for_hybrid_models(groups, needs):
     assert make(groups=groups).zeroes_new_blocks is needs
 

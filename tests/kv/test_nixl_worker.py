@@ -34,8 +34,9 @@ PAGE = 4096
 class Side:
     """One worker's KV buffers and connector, in its own process."""
 
-    def __init__(self, engine_id: str, num_blocks: int = NUM_BLOCKS, page_bytes: int = PAGE,
-                 fail_fraction: float = 0.0) -> None:
+    def __init__(
+        self, engine_id: str, num_blocks: int = NUM_BLOCKS, page_bytes: int = PAGE, fail_fraction: float = 0.0
+    ) -> None:
         torch.set_num_threads(1)
         self.buffers = [torch.zeros(num_blocks, page_bytes, dtype=torch.uint8) for _ in range(BUFFERS)]
         self.conn = NixlWorkerConnector(engine_id, self.buffers, page_bytes, num_blocks, fail_fraction=fail_fraction)
@@ -111,8 +112,9 @@ def params(info: PeerInfo, req_id: str, remote: Sequence[Sequence[int]], num_tok
     return KVTransferParams(info.engine_id, info.agent_name, tuple(map(tuple, remote)), num_tokens, req_id).to_dict()
 
 
-def check_pages(after: list[torch.Tensor], before: list[torch.Tensor], src: list[torch.Tensor],
-                moved: dict[int, int]) -> None:
+def check_pages(
+    after: list[torch.Tensor], before: list[torch.Tensor], src: list[torch.Tensor], moved: dict[int, int]
+) -> None:
     """Local block b holds remote block moved[b] in every buffer; every other block is as before."""
     for buf_after, buf_before, buf_src in zip(after, before, src):
         for block in range(NUM_BLOCKS):
@@ -151,8 +153,12 @@ def test_concurrent_loads(sides):
     prefill, decode, _, info = sides
     src, before = ray.get([prefill.fill.remote(5), decode.fill.remote(6)])
     loads = {f"dec-c{i}": ([[i, 15 - i]], [[2 * i, 2 * i + 9]]) for i in range(4)}
-    ray.get([decode.start_load.remote(req, params(info, req.replace("dec", "pre"), remote), local)
-             for req, (remote, local) in loads.items()])
+    ray.get(
+        [
+            decode.start_load.remote(req, params(info, req.replace("dec", "pre"), remote), local)
+            for req, (remote, local) in loads.items()
+        ]
+    )
     got = ray.get(decode.wait.remote(recv=list(loads)))
     assert got.done_recving >= set(loads) and not got.failed
     ray.get(prefill.wait.remote(send=[req.replace("dec", "pre") for req in loads]))
@@ -160,10 +166,13 @@ def test_concurrent_loads(sides):
     check_pages(ray.get(decode.pages.remote()), before, src, moved)
 
 
-@pytest.mark.parametrize(("remote", "local", "read", "invalid"), [
-    ([[1, 2, 3, 4], [5]], [[8, 9, 10, 11], [12]], {8: 1, 9: 2}, [10, 11, 12]),  # half of each group is read
-    ([[6]], [[13]], {}, [13]),  # nothing read: no transfer, the notification alone
-])
+@pytest.mark.parametrize(
+    ("remote", "local", "read", "invalid"),
+    [
+        ([[1, 2, 3, 4], [5]], [[8, 9, 10, 11], [12]], {8: 1, 9: 2}, [10, 11, 12]),  # half of each group is read
+        ([[6]], [[13]], {}, [13]),  # nothing read: no transfer, the notification alone
+    ],
+)
 def test_fault_injected_load_reports_its_invalid_blocks(sides, remote, local, read, invalid):
     prefill, _, faulty, info = sides
     src, before = ray.get([prefill.fill.remote(7), faulty.fill.remote(8)])
@@ -228,13 +237,16 @@ def notified(conn: NixlWorkerConnector, req_id: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("remote", "local"), [
-    ([[0]], [[0], [1]]),  # group counts differ
-    ([[0, 1]], [[2]]),  # more remote blocks than local ones
-    ([[4]], [[0]]),  # remote id out of range
-    ([[0]], [[-1]]),  # local id out of range
-    ([[0], [1]], [[2], [2]]),  # a local block written twice
-])
+@pytest.mark.parametrize(
+    ("remote", "local"),
+    [
+        ([[0]], [[0], [1]]),  # group counts differ
+        ([[0, 1]], [[2]]),  # more remote blocks than local ones
+        ([[4]], [[0]]),  # remote id out of range
+        ([[0]], [[-1]]),  # local id out of range
+        ([[0], [1]], [[2], [2]]),  # a local block written twice
+    ],
+)
 def test_a_bad_block_list_fails_that_load_alone_and_frees_the_prefill_side(pair, remote, local):
     a, b = pair
     p = KVTransferParams("a", a.agent_name, tuple(map(tuple, remote)), 4, "r")
@@ -291,18 +303,21 @@ def test_transfer_params_round_trip():
     assert p.to_dict()["remote_block_ids"] == [[1, 2], [], [7]]
 
 
-@pytest.mark.parametrize("change", [
-    {"num_tokens": "9"},
-    {"num_tokens": True},
-    {"num_tokens": -1},
-    {"remote_block_ids": [[1, "2"]]},
-    {"remote_block_ids": [[1, -2]]},
-    {"remote_block_ids": [1, 2]},
-    {"remote_block_ids": "12"},
-    {"request_id": 5},
-    {"remote_agent_name": ""},
-    {"extra": 1},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_tokens": "9"},
+        {"num_tokens": True},
+        {"num_tokens": -1},
+        {"remote_block_ids": [[1, "2"]]},
+        {"remote_block_ids": [[1, -2]]},
+        {"remote_block_ids": [1, 2]},
+        {"remote_block_ids": "12"},
+        {"request_id": 5},
+        {"remote_agent_name": ""},
+        {"extra": 1},
+    ],
+)
 def test_transfer_params_reject_bad_fields(change):
     data = KVTransferParams("engine", "agent", ((1, 2),), 9, "req").to_dict() | change
     with pytest.raises(ValueError):

@@ -22,10 +22,23 @@ def nemotron_h_config(**overrides):
     from transformers import NemotronHConfig
 
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern="M*-M*-", num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16,
-        ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, eos_token_id=VOCAB - 1,
-        pad_token_id=0, bos_token_id=1, initializer_range=0.2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        hybrid_override_pattern="M*-M*-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+        bos_token_id=1,
+        initializer_range=0.2,
     )
     kw.update(overrides)
     return NemotronHConfig(**kw)
@@ -35,9 +48,18 @@ def qwen3_config(**overrides):
     from transformers import Qwen3Config
 
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, eos_token_id=VOCAB - 1, pad_token_id=0, bos_token_id=1,
-        initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+        bos_token_id=1,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
     kw.update(overrides)
     return Qwen3Config(**kw)
@@ -51,10 +73,23 @@ def qwen3_5_config(**overrides):
     from transformers import Qwen3_5TextConfig
 
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, eos_token_id=None,
-        pad_token_id=0, bos_token_id=1, initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=1,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
     kw.update(overrides)
     return Qwen3_5TextConfig(**kw)

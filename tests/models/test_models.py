@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.reference import greedy_generate
 from kv.cache_layout import allocate_caches, plan_layout
 from models.batch import SeqChunk, build_forward_batch
-from actors.reference import greedy_generate
 from models.loader import load_model
 
 torch.manual_seed(0)
@@ -63,7 +63,7 @@ def test_greedy_continuations_match_transformers_generate(loaded):
         got = greedy_generate(ours.model, [p], 32, eos_token_id=None, block_size=4)[0]
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        assert got == want[0, len(p):].tolist()
+        assert got == want[0, len(p) :].tolist()
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -97,7 +97,7 @@ def test_mixed_prefill_and_decode_in_one_call(loaded):
     mixed_steps = 0
     while any(len(t) - len(p) < new for t, p in zip(tokens, PROMPTS)):
         live = [r for r in range(len(PROMPTS)) if r <= step and len(tokens[r]) - len(PROMPTS[r]) < new]
-        chunks = [SeqChunk(tokens[r][computed[r]: computed[r] + chunk], computed[r], blocks[r]) for r in live]
+        chunks = [SeqChunk(tokens[r][computed[r] : computed[r] + chunk], computed[r], blocks[r]) for r in live]
         mixed_steps += len({len(c.token_ids) == 1 for c in chunks}) == 2
         with torch.no_grad():
             logits = ours.model(build_forward_batch(chunks, layout.groups, block_size, "cpu"), caches)
@@ -108,4 +108,4 @@ def test_mixed_prefill_and_decode_in_one_call(loaded):
         step += 1
     assert mixed_steps >= 2
     alone = [greedy_generate(ours.model, [p], new, None, block_size=block_size)[0] for p in PROMPTS]
-    assert [t[len(p):] for t, p in zip(tokens, PROMPTS)] == alone
+    assert [t[len(p) :] for t, p in zip(tokens, PROMPTS)] == alone

@@ -27,9 +27,14 @@ VARIANTS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     ),
     "equal-heads-narrow-keys": dict(
-        num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "linear_attention"],
-        linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=24,
-        num_key_value_heads=1, linear_conv_kernel_dim=3,
+        num_hidden_layers=3,
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=3,
+        linear_num_value_heads=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=24,
+        num_key_value_heads=1,
+        linear_conv_kernel_dim=3,
     ),
 }
 
@@ -58,15 +63,19 @@ def test_paged_prefill_logits_match_transformers(pair):
     cfg = ours.config
     block = 16
     layout = plan_layout(cfg, torch.float32, block, num_blocks=64)
-    buffers, caches = allocate_caches(layout, cfg, "cpu")
+    _buffers, caches = allocate_caches(layout, cfg, "cpu")
     per_req = -(-max(map(len, LONG)) // block)
     ids, next_id = [], 0
     for _ in LONG:
         ids.append([list(range(next_id, next_id + (per_req if g.kind == "attention" else 1))) for g in layout.groups])
         next_id += sum(len(i) for i in ids[-1])
     with torch.no_grad():
-        got = ours(build_forward_batch([SeqChunk(p, 0, b) for p, b in zip(LONG, ids, strict=False)], layout.groups, block, "cpu"),
-                   caches)
+        got = ours(
+            build_forward_batch(
+                [SeqChunk(p, 0, b) for p, b in zip(LONG, ids, strict=False)], layout.groups, block, "cpu"
+            ),
+            caches,
+        )
         want = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in LONG])
     assert (got - want).abs().max().item() < 1e-4
 
@@ -77,7 +86,7 @@ def test_greedy_continuations_match_transformers_generate(pair):
         got = greedy_generate(ours, [p], 24, eos_token_id=None, block_size=16)[0]
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert got == want[0, len(p):].tolist()
+        assert got == want[0, len(p) :].tolist()
 
 
 @pytest.mark.parametrize("chunk", [1, 50, 64])
@@ -94,13 +103,13 @@ def test_flat_batch_equals_each_alone(pair):
 
 
 def test_state_page_is_not_read_before_the_first_chunk_writes_it(pair):
-    """State pages are never zeroed (DESIGN.md §1), so whatever a page's last owner left, a
+    """State pages are never zeroed (docs/design.md §1), so whatever a page's last owner left, a
     NaN included, must not reach a new request: its first chunk starts from zeros."""
     ours, _ = pair
     cfg = ours.config
     block = 16
     layout = plan_layout(cfg, torch.float32, block, num_blocks=32)
-    buffers, caches = allocate_caches(layout, cfg, "cpu")
+    _buffers, caches = allocate_caches(layout, cfg, "cpu")
     prompt = LONG[1]
     ids = [list(range(0, 5)) if g.kind == "attention" else [10 + i] for i, g in enumerate(layout.groups)]
     batch = build_forward_batch([SeqChunk(prompt, 0, ids)], layout.groups, block, "cpu")
@@ -116,13 +125,19 @@ def test_state_page_is_not_read_before_the_first_chunk_writes_it(pair):
     assert torch.equal(stale, clean)
 
 
-@pytest.mark.parametrize(("field", "value", "named"), [
-    ("layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
-     "sliding_attention"),
-    ("layer_types", ["linear_attention", "full_attention"], "num_hidden_layers"),
-    ("hidden_act", "gelu", "gelu"),
-    ("linear_num_value_heads", 3, "linear_num_value_heads"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        (
+            "layer_types",
+            ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            "sliding_attention",
+        ),
+        ("layer_types", ["linear_attention", "full_attention"], "num_hidden_layers"),
+        ("hidden_act", "gelu", "gelu"),
+        ("linear_num_value_heads", 3, "linear_num_value_heads"),
+    ],
+)
 def test_unservable_config_is_named(tmp_path, field, value, named):
     save_hf_model("qwen3_5", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -13,8 +13,9 @@ COMMON = ["--limit", "40", "--worker-threads", "1"]
 
 
 def accuracy(*flags: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.accuracy", *flags], capture_output=True, text=True,
-                         timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.accuracy", *flags], capture_output=True, text=True, timeout=300, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -75,8 +75,17 @@ def run_pd(cfg: Config, reqs):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_pd_equals_colocated(ray_cluster, tmp_path, kind, async_scheduling):
     save_hf_model(kind, tmp_path)
-    cfg = Config(model=str(tmp_path), dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=800,
-                 max_num_seqs=64, max_num_batched_tokens=512, async_scheduling=async_scheduling, worker_threads=1)
+    cfg = Config(
+        model=str(tmp_path),
+        dtype="float32",
+        device=DEVICE,
+        block_size=4,
+        num_kv_blocks=800,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        async_scheduling=async_scheduling,
+        worker_threads=1,
+    )
     reqs = workload(64, seed=11)
     got, stats = run_pd(cfg, reqs)
     assert [t for t, _, _ in got] == alone(str(tmp_path), reqs)

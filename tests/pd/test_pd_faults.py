@@ -24,8 +24,18 @@ def reference(hybrid):
 
 
 def base(path: str, **kw) -> Config:
-    return Config(model=path, dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=600, max_num_seqs=32,
-                  max_num_batched_tokens=256, worker_threads=1, seed=2, **kw)
+    return Config(
+        model=path,
+        dtype="float32",
+        device=DEVICE,
+        block_size=4,
+        num_kv_blocks=600,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        worker_threads=1,
+        seed=2,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("debug_zero", [False, True])

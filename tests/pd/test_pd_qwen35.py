@@ -25,8 +25,17 @@ def qwen35(tmp_path_factory):
 
 
 def base(path: str, **kw) -> Config:
-    return Config(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=800, max_num_seqs=64,
-                  max_num_batched_tokens=512, worker_threads=1, **kw)
+    return Config(
+        model=path,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=800,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        worker_threads=1,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

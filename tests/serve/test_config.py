@@ -69,15 +69,41 @@ def test_boolean_flags_both_ways(flag: str, value: bool) -> None:
     assert load_config([flag], {"RAYPD_ASYNC_SCHEDULING": str(not value)}).async_scheduling is value
 
 
-@pytest.mark.parametrize("text, value", [("true", True), ("Yes", True), ("1", True), ("on", True),
-                                         ("false", False), ("NO", False), ("0", False), ("off", False)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("true", True),
+        ("Yes", True),
+        ("1", True),
+        ("on", True),
+        ("false", False),
+        ("NO", False),
+        ("0", False),
+        ("off", False),
+    ],
+)
 def test_boolean_env_values(text: str, value: bool) -> None:
     assert load_config([], {"RAYPD_ENABLE_PREFIX_CACHING": text}).enable_prefix_caching is value
 
 
 def test_cli_flags_with_vllm_names() -> None:
-    config = load_config(["--num-gpu-blocks-override", "100", "-tp", "1", "--served-model-name", "tiny",
-                          "--dtype", "BFloat16", "--log-level", "debug", "--max-model-len", "none"], {})
+    config = load_config(
+        [
+            "--num-gpu-blocks-override",
+            "100",
+            "-tp",
+            "1",
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "BFloat16",
+            "--log-level",
+            "debug",
+            "--max-model-len",
+            "none",
+        ],
+        {},
+    )
     assert (config.num_kv_blocks, config.tensor_parallel_size) == (100, 1)
     assert (config.model_name, config.dtype, config.log_level) == ("tiny", "bfloat16", "DEBUG")
     assert config.max_model_len is None
@@ -89,9 +115,20 @@ def test_none_overrides_a_lower_layer() -> None:
     assert config.block_size is None and config.api_key is None
 
 
-@pytest.mark.parametrize("text, size", [("1000000", 1_000_000), ("512MiB", 512 << 20), ("1GiB", 1 << 30),
-                                        ("1 GB", 10**9), ("4k", 4000), ("2KiB", 2048), ("1.5GiB", 3 << 29),
-                                        ("64b", 64), ("1TiB", 1 << 40)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("1000000", 1_000_000),
+        ("512MiB", 512 << 20),
+        ("1GiB", 1 << 30),
+        ("1 GB", 10**9),
+        ("4k", 4000),
+        ("2KiB", 2048),
+        ("1.5GiB", 3 << 29),
+        ("64b", 64),
+        ("1TiB", 1 << 40),
+    ],
+)
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
 
@@ -116,14 +153,36 @@ def test_memory_size_in_every_layer(tmp_path: Path) -> None:
     assert load_config(["--config", path], {}).kv_cache_memory == 4096
 
 
-@pytest.mark.parametrize("field, value", [
-    ("port", 0), ("port", 65536), ("block_size", 0), ("num_kv_blocks", -1), ("kv_cache_memory", 0),
-    ("max_num_batched_tokens", 0), ("max_num_seqs", 0), ("max_model_len", 0), ("max_waiting", 0),
-    ("prefill", -1), ("decode", 0), ("tensor_parallel_size", 0), ("worker_threads", 0), ("seed", -1),
-    ("dtype", "float64"), ("kv_cache_dtype", "int8"), ("device", "tpu"), ("log_level", "LOUD"),
-    ("async_scheduling", "yes"), ("port", True), ("port", "8000"), ("model", ""), ("host", None),
-    ("api_key", ""), ("served_model_name", 7),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("port", 0),
+        ("port", 65536),
+        ("block_size", 0),
+        ("num_kv_blocks", -1),
+        ("kv_cache_memory", 0),
+        ("max_num_batched_tokens", 0),
+        ("max_num_seqs", 0),
+        ("max_model_len", 0),
+        ("max_waiting", 0),
+        ("prefill", -1),
+        ("decode", 0),
+        ("tensor_parallel_size", 0),
+        ("worker_threads", 0),
+        ("seed", -1),
+        ("dtype", "float64"),
+        ("kv_cache_dtype", "int8"),
+        ("device", "tpu"),
+        ("log_level", "LOUD"),
+        ("async_scheduling", "yes"),
+        ("port", True),
+        ("port", "8000"),
+        ("model", ""),
+        ("host", None),
+        ("api_key", ""),
+        ("served_model_name", 7),
+    ],
+)
 def test_invalid_value_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field) as info:
         Config(**{field: value})
@@ -137,13 +196,16 @@ def test_batched_tokens_must_cover_running_requests() -> None:
     assert Config(max_num_batched_tokens=8, max_num_seqs=8).max_num_batched_tokens == 8
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["--port", "abc"], {}, "invalid port 'abc': must be an integer (from --port)"),
-    ([], {"RAYPD_PORT": "70000"}, "invalid port 70000: must be in 1..65535 (from RAYPD_PORT)"),
-    ([], {"RAYPD_ASYNC_SCHEDULING": "maybe"}, "invalid async_scheduling 'maybe'"),
-    (["--kv-cache-memory", "lots"], {}, "invalid kv_cache_memory 'lots': expected a byte count"),
-    (["-tp", "2"], {}, "invalid tensor_parallel_size 2: must be in 1..1 (from --tensor-parallel-size)"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--port", "abc"], {}, "invalid port 'abc': must be an integer (from --port)"),
+        ([], {"RAYPD_PORT": "70000"}, "invalid port 70000: must be in 1..65535 (from RAYPD_PORT)"),
+        ([], {"RAYPD_ASYNC_SCHEDULING": "maybe"}, "invalid async_scheduling 'maybe'"),
+        (["--kv-cache-memory", "lots"], {}, "invalid kv_cache_memory 'lots': expected a byte count"),
+        (["-tp", "2"], {}, "invalid tensor_parallel_size 2: must be in 1..1 (from --tensor-parallel-size)"),
+    ],
+)
 def test_layer_errors_name_value_and_source(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(argv, env)
@@ -156,11 +218,14 @@ def test_yaml_error_names_the_file(tmp_path: Path) -> None:
         load_config(["--config", path], {})
 
 
-@pytest.mark.parametrize("text, message", [
-    ("max_num_seq: 4\n", "unknown key 'max_num_seq' in config file .* \\(did you mean 'max_num_seqs'\\?\\)"),
-    ("- port\n", "must map field names to values"),
-    ("port: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max_num_seq: 4\n", "unknown key 'max_num_seq' in config file .* \\(did you mean 'max_num_seqs'\\?\\)"),
+        ("- port\n", "must map field names to values"),
+        ("port: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_yaml_files_are_rejected(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(["--config", write_yaml(tmp_path, text)], {})

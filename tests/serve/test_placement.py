@@ -19,10 +19,15 @@ def test_a_role_goes_to_its_node_type_when_the_cluster_has_one(role):
     assert worker_options(cfg, role, PD_CLUSTER) == want
 
 
-@pytest.mark.parametrize(("role", "cluster"), [
-    ("prefill", PLAIN), ("decode", PLAIN), ("colocated", PD_CLUSTER),
-    ("decode", {"CPU": 8.0, "prefill": 1.0}),  # prefill nodes only: decode engines go anywhere
-])
+@pytest.mark.parametrize(
+    ("role", "cluster"),
+    [
+        ("prefill", PLAIN),
+        ("decode", PLAIN),
+        ("colocated", PD_CLUSTER),
+        ("decode", {"CPU": 8.0, "prefill": 1.0}),  # prefill nodes only: decode engines go anywhere
+    ],
+)
 def test_anywhere_without_nodes_of_its_type(role, cluster):
     cfg = Config(device="cpu")
     assert engine_options(cfg, role, cluster) == {}

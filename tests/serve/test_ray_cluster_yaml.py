@@ -44,11 +44,15 @@ def test_setup_installs_the_project_as_the_readme_does(cluster):
     assert any("ray start --head" in cmd for cmd in cluster["head_start_ray_commands"])
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda c: c.update(head_node_type="nowhere"),
-    lambda c: c.update(unknown_field=1),
-    lambda c: c["available_node_types"]["prefill"].update(resources="prefill"),
-], ids=["unknown head type", "unknown field", "resources not a mapping"])
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda c: c.update(head_node_type="nowhere"),
+        lambda c: c.update(unknown_field=1),
+        lambda c: c["available_node_types"]["prefill"].update(resources="prefill"),
+    ],
+    ids=["unknown head type", "unknown field", "resources not a mapping"],
+)
 def test_the_validator_rejects_a_broken_variant(cluster, break_it):
     broken = copy.deepcopy(cluster)
     break_it(broken)

@@ -42,8 +42,9 @@ def sampling(spec: RequestSpec) -> SamplingParams:
     return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=False)
 
 
-async def _drain(stream: AsyncIterator[RequestOutput], outcome: Outcome, tally: Tally,
-                 stop_after: int | None = None) -> bool:
+async def _drain(
+    stream: AsyncIterator[RequestOutput], outcome: Outcome, tally: Tally, stop_after: int | None = None
+) -> bool:
     """Collect outputs until a finish reason (True) or `stop_after` tokens (False: the client
     leaves, which aborts the request)."""
     async for out in stream:
@@ -74,14 +75,21 @@ async def colocated_request(spec: RequestSpec, engine: EngineClient, outcome: Ou
     await _drain(engine.generate(spec.prompt, sampling(spec), spec.req_id), outcome, tally)
 
 
-async def pd_request(spec: RequestSpec, prefill: EngineClient, decode: EngineClient, posted: asyncio.Event,
-                     outcome: Outcome, tally: Tally) -> None:
+async def pd_request(
+    spec: RequestSpec,
+    prefill: EngineClient,
+    decode: EngineClient,
+    posted: asyncio.Event,
+    outcome: Outcome,
+    tally: Tally,
+) -> None:
     """`posted` is set when the decode worker posts this request's READ."""
     await asyncio.sleep(spec.arrival_s)
     abort = spec.abort
     hand = Outcome(spec.req_id, spec.arrival_s)
-    task = asyncio.create_task(_drain(prefill.generate(spec.prompt, sampling(spec), spec.req_id,
-                                                       do_remote_decode=True), hand, Tally()))
+    task = asyncio.create_task(
+        _drain(prefill.generate(spec.prompt, sampling(spec), spec.req_id, do_remote_decode=True), hand, Tally())
+    )
     if abort is not None and abort.point == "before_prefill" and not await _leave_after(task, abort.delay_s):
         outcome.finish = "client-left"
         return

@@ -46,7 +46,7 @@ Page = list[Slot] | State
 def extend_prefix_hashes(hashes: list[int], tokens: list[int]) -> None:
     """hashes[p] identifies tokens[:p+1]; extend the chain to cover every token."""
     h = hashes[-1] if hashes else 0
-    for tok in tokens[len(hashes):]:
+    for tok in tokens[len(hashes) :]:
         h = hash((h, tok))
         hashes.append(h)
 

@@ -40,8 +40,14 @@ class SimEngine:
     def progress_key(self) -> tuple[int, ...]:
         """Changes whenever the engine does something other than poll."""
         s = self.scheduler
-        return (s.kv.num_free_blocks, len(s.waiting), len(s.running), len(s.loading), s.num_held,
-                self.worker.steps_run if s.running else 0)
+        return (
+            s.kv.num_free_blocks,
+            len(s.waiting),
+            len(s.running),
+            len(s.loading),
+            s.num_held,
+            self.worker.steps_run if s.running else 0,
+        )
 
     def is_idle(self) -> bool:
         return not self.scheduler.has_work() and not self.core._in_flight
@@ -58,10 +64,12 @@ class SimEngine:
             return f"{r.req_id}({r.status.value}, computed {r.num_computed_tokens}/{r.num_tokens}, {blocks} blocks)"
 
         owners = {rid: sum(len(b) for b in s.kv.get_block_ids(rid)) for rid in s.kv.managers[0].req_to_blocks}
-        return (f"{self.name}: free {s.kv.num_free_blocks}/{s.kv.num_blocks}, "
-                f"waiting [{', '.join(map(req, s.waiting))}], running [{', '.join(map(req, s.running))}], "
-                f"loading {sorted(s.loading)}, held {s.num_held}, block owners {owners}, "
-                f"failure {self.core._failure!r}")
+        return (
+            f"{self.name}: free {s.kv.num_free_blocks}/{s.kv.num_blocks}, "
+            f"waiting [{', '.join(map(req, s.waiting))}], running [{', '.join(map(req, s.running))}], "
+            f"loading {sorted(s.loading)}, held {s.num_held}, block owners {owners}, "
+            f"failure {self.core._failure!r}"
+        )
 
     async def close(self) -> None:
         await self.client.close()
@@ -69,15 +77,27 @@ class SimEngine:
         await self.worker.close()
 
 
-def build_engine(shape: Shape, role: Role, name: str, num_blocks: int, prov: Provenance, seed: int,
-                 fabric: Fabric | None, debug_zero_loaded_blocks: bool = False) -> SimEngine:
+def build_engine(
+    shape: Shape,
+    role: Role,
+    name: str,
+    num_blocks: int,
+    prov: Provenance,
+    seed: int,
+    fabric: Fabric | None,
+    debug_zero_loaded_blocks: bool = False,
+) -> SimEngine:
     rng = random.Random(f"{shape.name}/{seed}/{name}/stream")
-    worker = SimWorker(name, shape.groups, num_blocks, BLOCK_SIZE, prov, rng, shape.lag_s,
-                       fabric if role != "colocated" else None)
+    worker = SimWorker(
+        name, shape.groups, num_blocks, BLOCK_SIZE, prov, rng, shape.lag_s, fabric if role != "colocated" else None
+    )
     kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching)
     cfg = SchedulerConfig(shape.max_batched_tokens, shape.max_num_seqs, MAX_MODEL_LEN)
-    disagg = (None if role == "colocated" else
-              DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, worker.agent_name))
+    disagg = (
+        None
+        if role == "colocated"
+        else DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, worker.agent_name)
+    )
     scheduler = Scheduler(cfg, kv, StopChecker(None, MAX_MODEL_LEN), disagg)
     if scheduler.connector is not None:
         scheduler.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds

@@ -92,8 +92,7 @@ class SimConnector:
         self._loads: dict[str, _Load] = {}
         self._pending = Finished()
 
-    def start_load(self, req_id: str, params: KVTransferParams, local: Sequence[Sequence[int]],
-                   step_id: int) -> None:
+    def start_load(self, req_id: str, params: KVTransferParams, local: Sequence[Sequence[int]], step_id: int) -> None:
         """Post the READ now. As the real connector: a load it cannot post (an unknown peer,
         block ids out of range) is reported failed with every local block; only a second load
         under one id raises."""
@@ -118,8 +117,13 @@ class SimConnector:
         first = fabric.stats.loads == 1
         fail = not first and fabric.fail_fraction > 0.0 and fabric.rng.random() < fabric.fail_fraction
         kept = [g[: len(g) // 2] for g in groups] if fail else groups
-        load = _Load(peer, params.request_id, [p for g in kept for p in g],
-                     [mine for g, k in zip(groups, kept, strict=True) for mine, _ in g[len(k):]], step_id)
+        load = _Load(
+            peer,
+            params.request_id,
+            [p for g in kept for p in g],
+            [mine for g, k in zip(groups, kept, strict=True) for mine, _ in g[len(k) :]],
+            step_id,
+        )
         if not load.pairs:  # nothing to read: the notification goes alone, the failure now
             peer._pending.sending.add(load.remote_req_id)
             self._report(req_id, load)
@@ -155,8 +159,9 @@ class SimConnector:
         else:
             self._pending.recving.add(req_id)
 
-    def _pair(self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
-              remote_num_blocks: int) -> list[list[tuple[int, int]]]:
+    def _pair(
+        self, local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], remote_num_blocks: int
+    ) -> list[list[tuple[int, int]]]:
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local block lists for {len(remote)} remote cache groups")
         groups: list[list[tuple[int, int]]] = []

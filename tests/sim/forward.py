@@ -31,8 +31,10 @@ class BadRead:
     found_zero: bool  # the entry had been zeroed: the signature of a wipe after a load
 
     def __str__(self) -> str:
-        return (f"BAD READ {self.engine} step {self.step} request {self.req_id} group {self.group} "
-                f"block {self.block} {self.what}: expected {self.expected}, found {self.found}")
+        return (
+            f"BAD READ {self.engine} step {self.step} request {self.req_id} group {self.group} "
+            f"block {self.block} {self.what}: expected {self.expected}, found {self.found}"
+        )
 
 
 @dataclass(slots=True)
@@ -45,8 +47,9 @@ class ChunkContext:
     block_ids: Sequence[Sequence[int]]
 
 
-def run_chunk(mem: PageMemory, prov: Provenance, groups: Sequence[CacheGroup], ctx: ChunkContext,
-              start: int, end: int) -> list[BadRead]:
+def run_chunk(
+    mem: PageMemory, prov: Provenance, groups: Sequence[CacheGroup], ctx: ChunkContext, start: int, end: int
+) -> list[BadRead]:
     """Check the reads of tokens [start, end), then write their K/V and the new state."""
     bad: list[BadRead] = []
     for g, group in enumerate(groups):
@@ -66,8 +69,9 @@ def run_chunk(mem: PageMemory, prov: Provenance, groups: Sequence[CacheGroup], c
     return bad
 
 
-def _check_attention(mem: PageMemory, prov: Provenance, g: int, ctx: ChunkContext, start: int,
-                     end: int) -> list[BadRead]:
+def _check_attention(
+    mem: PageMemory, prov: Provenance, g: int, ctx: ChunkContext, start: int, end: int
+) -> list[BadRead]:
     bs = mem.block_size
     blocks = ctx.block_ids[g]
     used = -(-end // bs)
@@ -79,13 +83,35 @@ def _check_attention(mem: PageMemory, prov: Provenance, g: int, ctx: ChunkContex
         found = mem.read_slot(block, slot)
         want = KV(g, ctx.hashes[pos])
         if found != want:
-            bad.append(BadRead(ctx.engine, ctx.step, ctx.req_id, g, block, f"pos {pos} (slot {slot})",
-                               f"kv(g{g}, {ctx.req_id}[:{pos + 1}])", prov.describe(found), found is Mark.ZERO))
+            bad.append(
+                BadRead(
+                    ctx.engine,
+                    ctx.step,
+                    ctx.req_id,
+                    g,
+                    block,
+                    f"pos {pos} (slot {slot})",
+                    f"kv(g{g}, {ctx.req_id}[:{pos + 1}])",
+                    prov.describe(found),
+                    found is Mark.ZERO,
+                )
+            )
     for pos in range(end, used * bs):
         block, slot = blocks[pos // bs], pos % bs
         if mem.read_slot(block, slot) is Mark.GARBAGE:
-            bad.append(BadRead(ctx.engine, ctx.step, ctx.req_id, g, block, f"masked slot {slot} past end {end}",
-                               "no NaN-capable bits", "garbage (stale Mamba state)", False))
+            bad.append(
+                BadRead(
+                    ctx.engine,
+                    ctx.step,
+                    ctx.req_id,
+                    g,
+                    block,
+                    f"masked slot {slot} past end {end}",
+                    "no NaN-capable bits",
+                    "garbage (stale Mamba state)",
+                    False,
+                )
+            )
     return bad
 
 
@@ -97,6 +123,16 @@ def _check_state(mem: PageMemory, prov: Provenance, g: int, ctx: ChunkContext, s
     want = State(g, ctx.hashes[start - 1])
     if found == want:
         return []
-    return [BadRead(ctx.engine, ctx.step, ctx.req_id, g, block, f"state at start {start}",
-                    f"state(g{g}, {ctx.req_id}[:{start}])", describe_page(prov, found),
-                    not isinstance(found, State) and all(s is Mark.ZERO for s in found))]
+    return [
+        BadRead(
+            ctx.engine,
+            ctx.step,
+            ctx.req_id,
+            g,
+            block,
+            f"state at start {start}",
+            f"state(g{g}, {ctx.req_id}[:{start}])",
+            describe_page(prov, found),
+            not isinstance(found, State) and all(s is Mark.ZERO for s in found),
+        )
+    ]

@@ -79,51 +79,72 @@ async def _run(shape: Shape, seed: int, specs: list[RequestSpec], report: RunRep
         await _pd_phase(shape, seed, specs, report, prov, reference_tokens, debug_zero)
 
 
-async def _colocated_phase(shape: Shape, seed: int, specs: list[RequestSpec], report: RunReport,
-                           prov: Provenance) -> dict[str, list[int]]:
+async def _colocated_phase(
+    shape: Shape, seed: int, specs: list[RequestSpec], report: RunReport, prov: Provenance
+) -> dict[str, list[int]]:
     """The reference: every request to the end on one colocated engine; its outputs must be
     the token function's own."""
     colo = build_engine(shape, "colocated", "colocated", shape.decode_blocks, prov, seed, None)
     outs = {s.req_id: Outcome(s.req_id, s.arrival_s) for s in specs}
     tally = Tally()
-    await _phase(report, [colo], tally, [(colocated_request(s, colo.client, outs[s.req_id], tally), outs[s.req_id])
-                                         for s in specs])
+    await _phase(
+        report,
+        [colo],
+        tally,
+        [(colocated_request(s, colo.client, outs[s.req_id], tally), outs[s.req_id]) for s in specs],
+    )
     for s in specs:
         want = reference(s.prompt, s.max_tokens, EOS)
         got = outs[s.req_id]
         if got.finish != _finish_reason(want) or got.tokens != want:
-            report.add("WRONG OUTPUT", f"colocated request {s.req_id}: finish {got.finish} {got.error or ''} "
-                                       f"tokens {got.tokens}, the token function gives {want}")
+            report.add(
+                "WRONG OUTPUT",
+                f"colocated request {s.req_id}: finish {got.finish} {got.error or ''} "
+                f"tokens {got.tokens}, the token function gives {want}",
+            )
     await _finish(report, [colo])
     report.stats["colocated_preemptions"] = colo.scheduler.num_preemptions
     return {r: o.tokens for r, o in outs.items()}
 
 
-async def _pd_phase(shape: Shape, seed: int, specs: list[RequestSpec], report: RunReport, prov: Provenance,
-                    reference_tokens: dict[str, list[int]], debug_zero: bool) -> None:
+async def _pd_phase(
+    shape: Shape,
+    seed: int,
+    specs: list[RequestSpec],
+    report: RunReport,
+    prov: Provenance,
+    reference_tokens: dict[str, list[int]],
+    debug_zero: bool,
+) -> None:
     fabric = Fabric(random.Random(f"{shape.name}/{seed}/fabric"), shape.fail_fraction, shape.timing)
     prefill = build_engine(shape, "prefill", "prefill", shape.prefill_blocks, prov, seed, fabric)
     decode = build_engine(shape, "decode", "decode", shape.decode_blocks, prov, seed, fabric, debug_zero)
     outs = {s.req_id: Outcome(s.req_id, s.arrival_s) for s in specs}
     tally = Tally()
-    jobs = [(pd_request(s, prefill.client, decode.client, fabric.posted(s.req_id), outs[s.req_id], tally),
-             outs[s.req_id]) for s in specs]
+    jobs = [
+        (pd_request(s, prefill.client, decode.client, fabric.posted(s.req_id), outs[s.req_id], tally), outs[s.req_id])
+        for s in specs
+    ]
     await _phase(report, [prefill, decode], tally, jobs, fabric)
     for s in specs:
         _check_pd_outcome(report, shape, s, outs[s.req_id], reference_tokens[s.req_id], fabric)
     await _finish(report, [prefill, decode])
-    report.stats.update(loads=fabric.stats.loads, failed_loads=fabric.stats.failed,
-                        landed_before_zeroing=fabric.stats.landed_before_zeroing,
-                        decode_preemptions=decode.scheduler.num_preemptions,
-                        blocks_skipped=decode.scheduler.blocks_skipped,
-                        decode_failed_loads=decode.scheduler.num_failed_loads,
-                        expired_leases=decode.scheduler.num_expired_leases,
-                        aborted=sum(s.abort is not None for s in specs),
-                        completed=sum(o.finish in ("length", "stop") for o in outs.values()))
+    report.stats.update(
+        loads=fabric.stats.loads,
+        failed_loads=fabric.stats.failed,
+        landed_before_zeroing=fabric.stats.landed_before_zeroing,
+        decode_preemptions=decode.scheduler.num_preemptions,
+        blocks_skipped=decode.scheduler.blocks_skipped,
+        decode_failed_loads=decode.scheduler.num_failed_loads,
+        expired_leases=decode.scheduler.num_expired_leases,
+        aborted=sum(s.abort is not None for s in specs),
+        completed=sum(o.finish in ("length", "stop") for o in outs.values()),
+    )
 
 
-def _check_pd_outcome(report: RunReport, shape: Shape, spec: RequestSpec, got: Outcome, want: list[int],
-                      fabric: Fabric) -> None:
+def _check_pd_outcome(
+    report: RunReport, shape: Shape, spec: RequestSpec, got: Outcome, want: list[int], fabric: Fabric
+) -> None:
     where = f"request {spec.req_id} (prompt {len(spec.prompt)} tokens, abort {spec.abort})"
     if got.finish in ("timeout", "cancelled", "pending"):
         report.add("HANG", f"{where} never ended ({got.finish}); it had {got.tokens}")
@@ -133,8 +154,10 @@ def _check_pd_outcome(report: RunReport, shape: Shape, spec: RequestSpec, got: O
         return
     if got.finish == "error":
         # A lease can end (by the decode side's margin) before its request is read.
-        expired = (got.handed_over_at is not None
-                   and (got.ended_at or 0.0) >= got.handed_over_at + shape.lease_s - LEASE_MARGIN_S)
+        expired = (
+            got.handed_over_at is not None
+            and (got.ended_at or 0.0) >= got.handed_over_at + shape.lease_s - LEASE_MARGIN_S
+        )
         if shape.policy != "fail" or not (spec.req_id in fabric.stats.failed_reqs or expired):
             report.add("WRONG OUTPUT", f"{where} failed with no failed load: {got.error}")
         return
@@ -159,8 +182,13 @@ async def _guard(coro: Coroutine[Any, Any, None], out: Outcome, tally: Tally) ->
     tally.ended += 1
 
 
-async def _phase(report: RunReport, engines: list[SimEngine], tally: Tally,
-                 jobs: list[tuple[Coroutine[Any, Any, None], Outcome]], fabric: Fabric | None = None) -> None:
+async def _phase(
+    report: RunReport,
+    engines: list[SimEngine],
+    tally: Tally,
+    jobs: list[tuple[Coroutine[Any, Any, None], Outcome]],
+    fabric: Fabric | None = None,
+) -> None:
     """Run the clients to the end; a stall (no engine, client or transfer moved for
     `_STALL_S`) is a HANG: the clients are cancelled and the engines' queues reported."""
     tasks = [asyncio.create_task(_guard(coro, out, tally)) for coro, out in jobs]
@@ -181,16 +209,22 @@ async def _phase(report: RunReport, engines: list[SimEngine], tally: Tally,
             if e.name in idle & idle_before and e.name not in leaked and e.leaks():
                 leaked.add(e.name)
                 kv = e.scheduler.kv
-                report.add("LEAK", f"{e.name} idle between requests at {now:.3f} s (virtual) with "
-                                   f"{kv.num_free_blocks}/{kv.num_blocks} blocks free: {e.dump()}")
+                report.add(
+                    "LEAK",
+                    f"{e.name} idle between requests at {now:.3f} s (virtual) with "
+                    f"{kv.num_free_blocks}/{kv.num_blocks} blocks free: {e.dump()}",
+                )
         idle_before = idle
         key = (tally.tokens, tally.ended, fabric.landings if fabric else 0, *(e.progress_key() for e in engines))
         if key != last_key:
             last_key, last_change = key, loop.time()
         elif loop.time() - last_change > _STALL_S:
             stuck = [out.req_id for (_, out), t in zip(jobs, tasks, strict=True) if not t.done()]
-            report.add("HANG", f"no progress for {_STALL_S:.1f} s (virtual); requests open {stuck}; "
-                               + " | ".join(e.dump() for e in engines))
+            report.add(
+                "HANG",
+                f"no progress for {_STALL_S:.1f} s (virtual); requests open {stuck}; "
+                + " | ".join(e.dump() for e in engines),
+            )
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,8 +237,9 @@ async def _finish(report: RunReport, engines: list[SimEngine]) -> None:
         for bad in e.worker.bad_reads:
             report.add("BAD READ", str(bad))
         report.stats["bad_reads"] = report.stats.get("bad_reads", 0) + len(e.worker.bad_reads)
-        report.stats["zeroed_reads"] = (report.stats.get("zeroed_reads", 0)
-                                        + sum(b.found_zero for b in e.worker.bad_reads))
+        report.stats["zeroed_reads"] = report.stats.get("zeroed_reads", 0) + sum(
+            b.found_zero for b in e.worker.bad_reads
+        )
         if e.core._failure is not None:
             report.add("ENGINE FAILURE", f"{e.name}: {e.core._failure!r}")
             continue
@@ -217,8 +252,11 @@ async def _finish(report: RunReport, engines: list[SimEngine]) -> None:
         free_at_return = kv.num_free_blocks
         await asyncio.sleep(0.05)  # long enough for any step still in flight to report
         if free_at_return != kv.num_blocks and kv.num_free_blocks == kv.num_blocks:
-            report.add("WAIT_IDLE RACE", f"{e.name}: wait_idle returned with {free_at_return}/{kv.num_blocks} "
-                                         "blocks free, all free 50 ms later (a step was still in flight)")
+            report.add(
+                "WAIT_IDLE RACE",
+                f"{e.name}: wait_idle returned with {free_at_return}/{kv.num_blocks} "
+                "blocks free, all free 50 ms later (a step was still in flight)",
+            )
         if kv.num_free_blocks != kv.num_blocks:
             report.add("LEAK", f"{e.name} idle with {kv.num_free_blocks}/{kv.num_blocks} blocks free: {e.dump()}")
         try:

@@ -35,9 +35,17 @@ class _ReqState:
 
 
 class SimWorker:
-    def __init__(self, engine_id: str, groups: tuple[CacheGroup, ...], num_blocks: int, block_size: int,
-                 prov: Provenance, rng: random.Random, lag_s: tuple[float, float],
-                 fabric: Fabric | None = None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        groups: tuple[CacheGroup, ...],
+        num_blocks: int,
+        block_size: int,
+        prov: Provenance,
+        rng: random.Random,
+        lag_s: tuple[float, float],
+        fabric: Fabric | None = None,
+    ) -> None:
         self.engine_id = engine_id
         self.groups = groups
         self.memory = PageMemory(num_blocks, block_size)
@@ -51,7 +59,8 @@ class SimWorker:
         self._queue: asyncio.Queue[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = asyncio.Queue()
         self._stream: asyncio.Task[None] | None = None
         self.connector: SimConnector | None = (
-            fabric.connect(engine_id, self.memory, lambda: self.steps_run) if fabric is not None else None)
+            fabric.connect(engine_id, self.memory, lambda: self.steps_run) if fabric is not None else None
+        )
 
     @property
     def agent_name(self) -> str:
@@ -72,8 +81,12 @@ class SimWorker:
         if self.connector is None:
             return result
         done = self.connector.get_finished()
-        return dataclasses.replace(result, finished_sending=sorted(done.sending), finished_recving=sorted(done.recving),
-                                   failed_loads={r: done.failed[r] for r in sorted(done.failed)})
+        return dataclasses.replace(
+            result,
+            finished_sending=sorted(done.sending),
+            finished_recving=sorted(done.recving),
+            failed_loads={r: done.failed[r] for r in sorted(done.failed)},
+        )
 
     def executor(self) -> Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]:
         """The engine's `StepExecutor`: submit now (so steps reach the stream in order),
@@ -173,8 +186,9 @@ class SimWorker:
             self._drop(failed, req_id, why)
         for new in out.new_reqs:
             if new.req_id not in failed:
-                self.requests[new.req_id] = _ReqState(list(new.prompt_token_ids), [],
-                                                      [list(b) for b in new.block_ids], new.num_computed_tokens)
+                self.requests[new.req_id] = _ReqState(
+                    list(new.prompt_token_ids), [], [list(b) for b in new.block_ids], new.num_computed_tokens
+                )
         for cached in out.cached_reqs:
             if cached.req_id in failed:
                 continue
@@ -211,8 +225,10 @@ class SimWorker:
             if req_id not in span:
                 failed[req_id] = f"{step}: scheduled request {req_id!r} is unknown to the worker"
             elif n < 1 or span[req_id][1] + n > span[req_id][0]:
-                failed[req_id] = (f"{step}: request {req_id!r} is scheduled tokens [{span[req_id][1]}, "
-                                  f"{span[req_id][1] + n}) but the worker knows {span[req_id][0]}")
+                failed[req_id] = (
+                    f"{step}: request {req_id!r} is scheduled tokens [{span[req_id][1]}, "
+                    f"{span[req_id][1] + n}) but the worker knows {span[req_id][0]}"
+                )
         return failed
 
     def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:

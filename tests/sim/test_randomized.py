@@ -20,8 +20,10 @@ _FIX_OFF_SHAPES = [s for s in SHAPES.values() if s.pd and s.model != "dense"]
 
 
 def _seeds() -> list[object]:
-    return [seed if seed < _SEEDS else pytest.param(seed, marks=pytest.mark.sim_long)
-            for seed in range(_SEEDS + _LONG_SEEDS)]
+    return [
+        seed if seed < _SEEDS else pytest.param(seed, marks=pytest.mark.sim_long)
+        for seed in range(_SEEDS + _LONG_SEEDS)
+    ]
 
 
 @pytest.mark.parametrize("seed", _seeds())

@@ -86,8 +86,11 @@ def test_read_copies_the_source_as_it_is_when_it_lands() -> None:
         decode.start_load("y", KVTransferParams("p", prefill.agent_name, ((2,),), 4, "y"), [[1]], step_id=1)
         src.write_slot(2, 0, KV(0, 222))  # freed and reused before the READ lands
         await asyncio.sleep(0.05)
-        return [first, dst.read_slot(1, 0)], sorted(prefill.get_finished().sending), \
-            sorted(decode.get_finished().recving)
+        return (
+            [first, dst.read_slot(1, 0)],
+            sorted(prefill.get_finished().sending),
+            sorted(decode.get_finished().recving),
+        )
 
     contents, sending, recving = run_virtual(main())
     assert contents == [KV(0, 111), KV(0, 222)]
