@@ -26,7 +26,7 @@ from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
 from actors.worker import Worker, WorkerConfig
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
+from models.batch import CacheGroup, cdiv
 
 GROUPS = (CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3)))
 
@@ -40,7 +40,7 @@ class _NoZeroScheduler(Scheduler):
 
 
 def _measure(cls: type[Scheduler], running: int, steps: int, block_size: int) -> float:
-    blocks_per_req = -(-(16 + steps + 8) // block_size) + 1
+    blocks_per_req = cdiv(16 + steps + 8, block_size) + 1
     kv = KVCacheManager(GROUPS, running * blocks_per_req + 8, block_size, enable_prefix_caching=False)
     sched = cls(SchedulerConfig(max(running, 1) * 16 + 16, running, 1 << 20), kv, StopChecker(None, 1 << 20))
     for i in range(running):
@@ -59,7 +59,7 @@ def _share(model: Path, running: int, steps: int, dtype: str, device: str) -> tu
     """(scheduling, whole step) in microseconds per decode step at `running` requests."""
     prompt_len = 16
     block_size = 16
-    blocks = running * (-(-(prompt_len + steps + 4) // block_size) + 1) + 8
+    blocks = running * (cdiv(prompt_len + steps + 4, block_size) + 1) + 8
     worker = Worker(WorkerConfig(str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=blocks))
     layout = worker.layout
     try:

@@ -83,7 +83,7 @@ def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     original: dict[str, str] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
                 key = name
                 for old, new in _ALIASES:
                     if key.startswith(old):

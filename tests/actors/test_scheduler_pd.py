@@ -11,7 +11,7 @@ from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
 from kv.transfer_params import KVTransferParams
-from models.batch import CacheGroup
+from models.batch import CacheGroup, cdiv
 
 BS = 4
 HYBRID = (CacheGroup("attention", (1,)), CacheGroup("mamba", (0,)))
@@ -26,7 +26,7 @@ def decode_scheduler(groups=HYBRID, prefix=False, debug=False, policy="recompute
 
 
 def remote(req_id: str, num_tokens: int, groups=HYBRID) -> KVTransferParams:
-    blocks = tuple(tuple(range(100, 100 + -(-num_tokens // BS))) if g.kind == "attention" else (500,) for g in groups)
+    blocks = tuple(tuple(range(100, 100 + cdiv(num_tokens, BS))) if g.kind == "attention" else (500,) for g in groups)
     return KVTransferParams("pre-0", "agent-p", blocks, num_tokens, req_id)
 
 
@@ -48,7 +48,7 @@ def test_covered_blocks_are_skipped_only_in_their_step(prompt_len):
     out = s.schedule()
     assert out is not None and out.num_scheduled_tokens == {}
     blocks = attention_ids(s, "d")  # the whole prompt's blocks are allocated up front
-    covered = blocks[: -(-granted // BS)]
+    covered = blocks[: cdiv(granted, BS)]
     fresh = blocks[len(covered) :]
     assert len(fresh) == (1 if granted % BS == 0 else 0)
     assert (out.new_block_ids_to_zero or []) == fresh  # zeroed: the load does not write them

@@ -7,7 +7,7 @@ import torch
 
 from actors.reference import greedy_generate
 from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch
+from models.batch import SeqChunk, build_forward_batch, cdiv
 from models.loader import load_model
 
 torch.manual_seed(0)
@@ -49,7 +49,7 @@ def test_paged_prefill_logits_match_transformers(loaded, block_size):
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     for buf in buffers:
         buf.zero_()
-    blocks = _fixed_blocks(layout, len(PROMPTS), -(-64 // block_size))
+    blocks = _fixed_blocks(layout, len(PROMPTS), cdiv(64, block_size))
     chunks = [SeqChunk(p, 0, ids) for p, ids in zip(PROMPTS, blocks)]
     with torch.no_grad():
         got = ours.model(build_forward_batch(chunks, layout.groups, block_size, "cpu"), caches)
@@ -88,7 +88,7 @@ def test_mixed_prefill_and_decode_in_one_call(loaded):
     cfg = ours.config
     layout = plan_layout(cfg, torch.float32, block_size, num_blocks=200)
     buffers, caches = allocate_caches(layout, cfg, "cpu")
-    blocks = _fixed_blocks(layout, len(PROMPTS), -(-(max(map(len, PROMPTS)) + new) // block_size))
+    blocks = _fixed_blocks(layout, len(PROMPTS), cdiv(max(map(len, PROMPTS)) + new, block_size))
     for buf in buffers:
         buf.zero_()
     tokens = [list(p) for p in PROMPTS]

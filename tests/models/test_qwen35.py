@@ -16,7 +16,7 @@ import torch
 
 from actors.reference import greedy_generate
 from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch
+from models.batch import SeqChunk, build_forward_batch, cdiv
 from models.loader import ModelLoadError, load_model
 from tests.models.hf_fixtures import save_hf_model
 
@@ -64,7 +64,7 @@ def test_paged_prefill_logits_match_transformers(pair):
     block = 16
     layout = plan_layout(cfg, torch.float32, block, num_blocks=64)
     _buffers, caches = allocate_caches(layout, cfg, "cpu")
-    per_req = -(-max(map(len, LONG)) // block)
+    per_req = cdiv(max(map(len, LONG)), block)
     ids, next_id = [], 0
     for _ in LONG:
         ids.append([list(range(next_id, next_id + (per_req if g.kind == "attention" else 1))) for g in layout.groups])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch
+from models.batch import SeqChunk, build_forward_batch, cdiv
 from models.loader import load_model
 
 BLOCK = 4
@@ -18,7 +18,7 @@ def _run(model, prompt, poison: bool, zero_after_poison: bool) -> torch.Tensor:
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     for buf in buffers:
         buf.zero_()
-    n_blocks = -(-len(prompt) // BLOCK) + 1
+    n_blocks = cdiv(len(prompt), BLOCK) + 1
     ids = [list(range(0, n_blocks)) if g.kind == "attention" else [16 + i] for i, g in enumerate(layout.groups)]
     last = ids[0][(len(prompt) - 1) // BLOCK]
     if poison:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from models.batch import CacheGroup
+from models.batch import CacheGroup, cdiv
 from tests.sim.content import KV, Mark, PageMemory, Provenance, State, describe_page
 
 
@@ -74,7 +74,7 @@ def _check_attention(
 ) -> list[BadRead]:
     bs = mem.block_size
     blocks = ctx.block_ids[g]
-    used = -(-end // bs)
+    used = cdiv(end, bs)
     if len(blocks) < used:  # the real batch builder refuses this step
         raise ValueError(f"step {ctx.step}: request {ctx.req_id} has {len(blocks)} blocks in group {g}, needs {used}")
     bad: list[BadRead] = []

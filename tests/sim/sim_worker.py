@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
-from models.batch import CacheGroup
+from models.batch import CacheGroup, cdiv
 from tests.actors.fake_worker import VOCAB, next_token
 from tests.sim.content import PageMemory, Provenance, extend_prefix_hashes
 from tests.sim.fabric import Fabric, SimConnector
@@ -156,7 +156,7 @@ class SimWorker:
         state = self.requests[req_id]
         start, end = state.num_computed, state.num_computed + n
         for g, group in enumerate(self.groups):
-            need = -(-end // self.memory.block_size) if group.kind == "attention" else 1
+            need = cdiv(end, self.memory.block_size) if group.kind == "attention" else 1
             if len(state.block_ids[g]) < need:
                 raise ValueError(f"request {req_id!r} has {len(state.block_ids[g])} blocks in group {g}, needs {need}")
         extend_prefix_hashes(state.hashes, state.tokens)
