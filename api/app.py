@@ -147,7 +147,11 @@ class _Server:
         self, request: Request, fmt: Format, choices: list[Choice], stream: bool, include_usage: bool
     ) -> Response:
         endpoint = request.url.path
-        deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
+        try:
+            deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
+        except asyncio.CancelledError:  # the client left before the first token; the streams aborted
+            self.metrics.requests.labels(endpoint, "aborted").inc()
+            raise
         if stream:
             events = self._events(endpoint, fmt, deltas, len(choices), include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
