@@ -10,6 +10,7 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
+from actors.config import Config
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
@@ -18,7 +19,6 @@ from kv.cache_layout import CacheLayout
 from kv.kv_cache_manager import KVCacheManager
 from models.config import ModelConfig
 from models.loader import load_config, load_generation_config
-from serve.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The engine hands out outputs in batches (one message per step for all requests); a single
 poller task fans them out to per-request queues. The same client drives an in-process
-`EngineCore` (tests, `bench --mode local`) and a `SchedulerActor` over Ray.
+`EngineCore` (tests, `bench --mode local`) and an `EngineActor` over Ray.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class EngineCalls:
 
     @classmethod
     def remote(cls, slot: ActorSlot) -> EngineCalls:
-        """A `SchedulerActor`, reached through whatever handle `slot` holds at call time."""
+        """An `EngineActor`, reached through whatever handle `slot` holds at call time."""
 
         async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
             await slot.handle.add_request.remote(req_id, ids, sp, **kw)

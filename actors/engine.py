@@ -123,8 +123,7 @@ class EngineCore:
     def _empty_hand_over(self, req_id: str) -> RequestOutput:
         """A one-token prompt: nothing to prefill; the decode side computes it all."""
         s = self.scheduler
-        assert s.disagg is not None
-        params = KVTransferParams(s.disagg.engine_id, s.disagg.agent_name, tuple(() for _ in s.kv.groups), 0, req_id)
+        params = KVTransferParams(s.pd.engine_id, s.pd.agent_name, tuple(() for _ in s.kv.groups), 0, req_id)
         return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params.to_dict())
 
     def abort(self, req_id: str) -> None:

@@ -214,9 +214,8 @@ class Scheduler(DisaggScheduling):
                 hit = fresh_hit = self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
             params = req.kv_transfer_params
             if params is not None and not req.load_done:
-                assert self.connector is not None
-                external, _ = self.connector.get_num_new_matched_tokens(params, hit)
-                if external > 0 and self.connector.lease_ok(params):
+                external, _ = self.link.get_num_new_matched_tokens(params, hit)
+                if external > 0 and self.link.lease_ok(params):
                     # Blocks for the whole prompt: once loaded, the request can always compute
                     # its last prompt token without waiting for memory held by others.
                     if (
@@ -238,8 +237,7 @@ class Scheduler(DisaggScheduling):
             if params is not None and not req.load_done:
                 # Computed locally (a local prefix hit covers the grant, or the lease ran out):
                 # the prefill side's copy is not needed. Only now that the blocks are ours.
-                assert self.connector is not None
-                self.connector.notify_abandoned(params)
+                self.link.notify_abandoned(params)
                 req.load_done = True
             budget -= n
 

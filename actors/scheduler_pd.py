@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from actors.deferred_free import DeferredFree
     from kv.kv_cache_manager import KVCacheManager
     from kv.nixl_scheduler import NixlSchedulerConnector
+    from kv.transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,30 @@ class DisaggScheduling:
     def _output(self, req: Request) -> RequestOutput:
         raise NotImplementedError
 
+    @property
+    def link(self) -> NixlSchedulerConnector:
+        """The connector, which every PD path needs; its absence is a wiring bug, reported as one
+        (not an `assert`, which `python -O` removes)."""
+        if self.connector is None:
+            raise RuntimeError("a PD code path ran in an engine without a KV connector")
+        return self.connector
+
+    @property
+    def pd(self) -> DisaggConfig:
+        if self.disagg is None:
+            raise RuntimeError("a PD code path ran in an engine without a disaggregation config")
+        return self.disagg
+
+    @staticmethod
+    def _params(req: Request) -> KVTransferParams:
+        if req.kv_transfer_params is None:
+            raise RuntimeError(f"request {req.req_id} reached a KV-load path without kv_transfer_params")
+        return req.kv_transfer_params
+
     def _check_transfer(self, req: Request) -> None:
         """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
         a stalled queue or a failed worker step."""
-        params = req.kv_transfer_params
-        assert params is not None
+        params = self._params(req)
         if self.connector is None:
             raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
         if params.num_tokens >= req.num_prompt_tokens:
@@ -88,26 +108,23 @@ class DisaggScheduling:
 
     def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
         """The fix (docs/design.md §2): the blocks this load fills stay out of the zero list."""
-        assert self.connector is not None and req.kv_transfer_params is not None
         req.num_computed_tokens = hit
         req.num_external_tokens = external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.last_step = step  # this step ships the load and the zero list touching its blocks
         self.loading[req.req_id] = req
-        assert self.disagg is not None
-        if not self.disagg.debug_zero_loaded_blocks:
+        if not self.pd.debug_zero_loaded_blocks:
             self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
-        self.connector.update_state_after_alloc(
-            req.req_id, req.kv_transfer_params, self.kv.get_block_ids(req.req_id), hit, external
+        self.link.update_state_after_alloc(
+            req.req_id, self._params(req), self.kv.get_block_ids(req.req_id), hit, external
         )
 
     def _hand_over(self, req: Request) -> RequestOutput:
         """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
-        assert self.connector is not None and self.disagg is not None
-        params = self.connector.request_finished(
+        params = self.link.request_finished(
             req.req_id,
-            self.disagg.engine_id,
-            self.disagg.agent_name,
+            self.pd.engine_id,
+            self.pd.agent_name,
             self.kv.get_block_ids(req.req_id),
             req.num_prompt_tokens,
         )
@@ -118,13 +135,12 @@ class DisaggScheduling:
 
     def _transfers_ended(self, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Loads that landed or failed (decode side); blocks read or leases ended (prefill side)."""
-        assert self.connector is not None
         outputs = []
         for req_id in result.finished_recving:
             outputs.extend(self._load_finished(req_id, None))
         for req_id, bad in result.failed_loads.items():
             outputs.extend(self._load_finished(req_id, bad))
-        for req_id in [*result.finished_sending, *self.connector.expired()]:
+        for req_id in [*result.finished_sending, *self.link.expired()]:
             self._release_held(req_id)
         return outputs
 
@@ -144,11 +160,10 @@ class DisaggScheduling:
             return []
         req.load_done = True
         req.status = RequestStatus.WAITING
-        assert req.kv_transfer_params is not None and self.connector is not None
         why = None
         if bad_blocks is not None:
             why = f"KV transfer from the prefill engine failed for blocks {sorted(bad_blocks)}"
-        elif not self.connector.lease_ok(req.kv_transfer_params):
+        elif not self.link.lease_ok(self._params(req)):
             # The READ ended too close to the lease's end: the pages may have been reused.
             self.num_expired_leases += 1
             bad_blocks = self.kv.get_zeroing_block_ids_in_range(
@@ -169,9 +184,8 @@ class DisaggScheduling:
     def _load_failed(self, req: Request, why: str) -> bool:
         """Apply the load-failure policy: True to recompute, False if the request failed."""
         self.num_failed_loads += 1
-        assert self.disagg is not None
         req.load_done = True
-        if self.disagg.load_failure_policy == "recompute":
+        if self.pd.load_failure_policy == "recompute":
             log.info("request %s recomputes its prompt: %s", req.req_id, why)
             return True
         req.error = why

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from actors.config import Config
 from actors.messages import InvalidRequestError, SamplingParams
 from api.errors import (
     APIError,
@@ -35,7 +36,6 @@ from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
-from serve.config import Config
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DISCONNECT_POLL_S = 0.25

@@ -28,7 +28,7 @@ class Engine:
 
     @classmethod
     def remote(cls, name: str, handle: Any) -> Engine:
-        """A `SchedulerActor` reached over Ray."""
+        """An `EngineActor` reached over Ray."""
         slot = ActorSlot(handle)
 
         async def stats() -> EngineStats:

@@ -27,12 +27,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from actors.config import Config
 from bench.client import LoadSpec, Sample, run_load, warm_up
 from bench.plot import plot_runs
 from bench.server_metrics import breakdown, wait_idle
 from bench.stats import Slo, summarize
 from serve import launch
-from serve.config import Config
 from serve.config import parse_args as parse_serve_args
 
 IDLE_TIMEOUT_S = 60.0

@@ -21,9 +21,9 @@ import time
 import torch
 
 from actors.build import build_local_engine
+from actors.config import Config
 from actors.engine import EngineCore
 from actors.messages import SamplingParams
-from serve.config import Config
 
 
 async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

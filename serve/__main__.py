@@ -18,9 +18,10 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from actors.config import Config
 from models.loader import ModelLoadError, load_config
 from serve import launch
-from serve.config import Config, parse_args
+from serve.config import parse_args
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:

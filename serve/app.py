@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.deployment import Application
 
+from actors.config import Config
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
-from serve.config import Config
 from serve.engines import EngineSupervisor
 
 DEPLOYMENT_NAME = "raypd-api"

@@ -1,6 +1,6 @@
-"""One validated, frozen engine/server configuration for every raypd entry point.
+"""Building the one validated, frozen configuration (actors/config.py) for every raypd entry point.
 
-Values come from four layers, lowest to highest precedence: the defaults below, a YAML file
+Values come from four layers, lowest to highest precedence: the defaults in actors/config.py, a YAML file
 (`--config PATH` or `RAYPD_CONFIG`), `RAYPD_<FIELD>` environment variables, CLI flags. Every
 layer goes through the same parsing and the same `__post_init__` checks, so a bad value is
 reported the same way wherever it came from: naming the field, the value and the layer.
@@ -9,219 +9,17 @@ reported the same way wherever it came from: naming the field, the value and the
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import os
-import re
-import types
-import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from fractions import Fraction
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Device = Literal["auto", "cpu", "cuda"]
-FailurePolicy = Literal["recompute", "fail"]
-LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+from actors.config import FIELDS, SPECS, Config, ConfigError, parse_size, show_value, unknown_name
 
 ENV_PREFIX = "RAYPD_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
-MiB = 1 << 20
-
-
-class ConfigError(ValueError):
-    """A configuration raypd cannot run with; `field` names the field to blame, if one is."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def _f(
-    default: Any, doc: str, *, lo: int | None = None, hi: int | None = None, size: bool = False, secret: bool = False
-) -> Any:
-    """A field that carries its CLI help and checks, so each knob is described in one place."""
-    meta = {"doc": doc, "lo": lo, "hi": hi, "size": size, "secret": secret}
-    # A secret stays out of repr() so that logging the config cannot leak it.
-    return dataclasses.field(default=default, metadata=meta, repr=not secret)
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """Everything an engine, its workers and the API server need to start."""
-
-    model: str = _f(DEFAULT_MODEL, "model directory (config.json, safetensors, tokenizer.json)")
-    served_model_name: str | None = _f(None, "model name in the API; default: the model directory's name")
-    dtype: Dtype = _f("auto", "weight and activation dtype; auto = the checkpoint's (fp32 on CPU)")
-    kv_cache_dtype: Dtype = _f("auto", "KV cache dtype; auto = the model's dtype")
-    device: Device = _f("auto", "auto = cuda if available, else cpu")
-    block_size: int | None = _f(None, "tokens per KV block; default: chosen for the model", lo=1)
-    num_kv_blocks: int | None = _f(None, "KV blocks per engine; default: from kv_cache_memory", lo=1)
-    kv_cache_memory: int = _f(256 * MiB, "KV cache bytes per engine: 1000000, 512MiB, 1GiB", lo=1, size=True)
-    max_num_batched_tokens: int = _f(2048, "token budget of one scheduler step", lo=1)
-    max_num_seqs: int = _f(64, "most requests running at once in one engine", lo=1)
-    max_model_len: int | None = _f(None, "longest prompt + output; default: the model's limit", lo=1)
-    max_waiting: int = _f(1024, "bound of the waiting queue; beyond it the API answers 503", lo=1)
-    async_scheduling: bool = _f(True, "schedule step N+1 while step N runs")
-    enable_prefix_caching: bool = _f(True, "reuse the KV blocks of shared prompt prefixes")
-    seed: int = _f(0, "random seed for sampling", lo=0)
-    host: str = _f("127.0.0.1", "address the API server binds")
-    port: int = _f(8000, "port the API server listens on", lo=1, hi=65535)
-    api_key: str | None = _f(None, "bearer token the API requires; default: no auth", secret=True)
-    prefill: int = _f(0, "number of prefill engines; 0 = prefill and decode colocated", lo=0)
-    decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
-    tensor_parallel_size: int = _f(1, "worker actors per engine; only 1 is implemented so far", lo=1, hi=1)
-    worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
-    address: str | None = _f(
-        None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a local cluster"
-    )
-    detach: bool = _f(
-        False,
-        "leave the service running when this process exits (needs a cluster: --address or a Ray job); `--stop` ends it",
-    )
-    kv_load_failure_policy: FailurePolicy = _f(
-        "recompute", "a failed KV load: recompute the prompt, or fail the request"
-    )
-    kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
-    debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")
-    debug_kv_fail_percent: int = _f(0, "TESTS: percent of KV loads made to fail", lo=0, hi=100)
-    debug_stream_delay_ms: int = _f(0, "TESTS: delay before each compute-stream job, to make it lag", lo=0)
-    log_level: LogLevel = _f("INFO", "logging level")
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            _check(field, getattr(self, field.name))
-        # As in vLLM: every running request must be able to get a token in every step.
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError(
-                f"invalid max_num_batched_tokens {self.max_num_batched_tokens}: must be >= "
-                f"max_num_seqs ({self.max_num_seqs})",
-                "max_num_batched_tokens",
-            )
-
-    @property
-    def model_name(self) -> str:
-        """The name clients use in requests."""
-        return self.served_model_name or Path(self.model).name
-
-    @property
-    def colocated(self) -> bool:
-        """True when each engine does both prefill and decode."""
-        return self.prefill == 0
-
-    @property
-    def resolved_device(self) -> str:
-        """The device `auto` stands for on this machine."""
-        if self.device != "auto":
-            return self.device
-        import torch  # here, not at the top: parsing the CLI should not pay for importing torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def describe(self) -> str:
-        """Every field as `name = value`, one a line, secrets masked: printed at start-up."""
-        fields = dataclasses.fields(self)
-        width = max(len(f.name) for f in fields)
-        return "\n".join(f"{f.name:<{width}} = {_show(f, getattr(self, f.name))}" for f in fields)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values only, so the config can be sent to Ray actors and rebuilt there."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Config:
-        """The inverse of `to_dict`, validated again on the receiving side."""
-        for key in data:
-            if key not in _FIELDS:
-                raise ConfigError(_unknown(f"unknown config field {key!r}", key, _FIELDS))
-        return cls(**data)
-
-
-@dataclass(frozen=True, slots=True)
-class _Spec:
-    """A field's type reduced to what parsing and checking need."""
-
-    kind: type  # bool, int or str
-    optional: bool
-    choices: tuple[str, ...]
-
-
-def _spec(annotation: Any) -> _Spec:
-    args = typing.get_args(annotation)
-    optional = isinstance(annotation, types.UnionType) and type(None) in args
-    if optional:
-        (annotation,) = (a for a in args if a is not type(None))
-    choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
-    return _Spec(str if choices else annotation, optional, choices)
-
-
-_SPECS: dict[str, _Spec] = {name: _spec(tp) for name, tp in typing.get_type_hints(Config).items()}
-_FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def _check(field: dataclasses.Field[Any], value: Any) -> None:
-    """Raise ConfigError unless `value` is valid for `field`."""
-    name, spec, meta = field.name, _SPECS[field.name], field.metadata
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"invalid {name} {value!r}: {why}", name)
-
-    if value is None:
-        if not spec.optional:
-            raise bad("a value is required")
-        return
-    if spec.choices:
-        if value not in spec.choices:
-            raise bad(f"must be one of {', '.join(spec.choices)}")
-    elif spec.kind is bool:
-        if not isinstance(value, bool):
-            raise bad("must be true or false")
-    elif spec.kind is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad("must be an integer")
-        lo, hi = meta["lo"], meta["hi"]
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise bad(f"must be in {lo}..{hi}" if hi is not None else f"must be >= {lo}")
-    elif not isinstance(value, str) or not value.strip():
-        raise bad("must be a non-empty string")
-
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
-_UNITS = "kmgt"
-
-
-def parse_size(text: str) -> int:
-    """Bytes in `text`: a plain count or a number with a unit. KiB..TiB are powers of 1024, KB..TB (or
-    K..T) powers of 1000, as the IEC and SI prefixes say, so each spelling has exactly one meaning."""
-    match = _SIZE.fullmatch(text.strip())
-    if not match:
-        raise ValueError("expected a byte count such as 1000000, 512MiB or 1GiB")
-    number, unit, binary = match.groups()
-    power = _UNITS.index(unit.lower()) + 1 if unit else 0
-    size = Fraction(number) * (1024 if binary else 1000) ** power
-    if size.denominator != 1:
-        raise ValueError("not a whole number of bytes")
-    return int(size)
-
-
-def format_size(size: int) -> str:
-    """`size` in the largest binary unit that divides it, in a form `parse_size` reads back."""
-    for power in range(len(_UNITS), 0, -1):
-        if size % 1024**power == 0:
-            return f"{size // 1024**power}{_UNITS[power - 1].upper()}iB"
-    return str(size)
-
-
-def _show(field: dataclasses.Field[Any], value: Any) -> str:
-    if value is not None and field.metadata["secret"]:
-        return "***"
-    return format_size(value) if field.metadata["size"] else str(value)
-
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -230,7 +28,7 @@ def _parse(name: str, value: Any) -> Any:
     """A layer's value for `name` as the field's type; text is parsed, anything else is left to `_check`."""
     if not isinstance(value, str):
         return value
-    spec, text = _SPECS[name], value.strip()
+    spec, text = SPECS[name], value.strip()
     if spec.optional and text.lower() in ("", "none", "null"):
         return None
     if spec.choices:  # case-insensitive, so that `--log-level debug` and `--dtype BFloat16` work
@@ -240,7 +38,7 @@ def _parse(name: str, value: Any) -> Any:
             raise ConfigError(f"invalid {name} {value!r}: must be true/false, yes/no, on/off or 1/0", name)
         return text.lower() in _TRUE
     if spec.kind is int:
-        size = _FIELDS[name].metadata["size"]
+        size = FIELDS[name].metadata["size"]
         try:
             return parse_size(text) if size else int(text)
         except ValueError as e:
@@ -262,17 +60,12 @@ def _flags(name: str) -> tuple[str, ...]:
 
 
 def _metavar(name: str) -> str:
-    spec = _SPECS[name]
+    spec = SPECS[name]
     if spec.choices:
         return "{" + ",".join(spec.choices) + "}"
-    if _FIELDS[name].metadata["size"]:
+    if FIELDS[name].metadata["size"]:
         return "SIZE"
     return "N" if spec.kind is int else name.upper()
-
-
-def _unknown(message: str, key: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    return f"{message} (did you mean {close[0]!r}?)" if close else message
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -285,12 +78,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help=f"YAML file of field: value pairs, below {ENV_PREFIX}* variables and flags",
     )
-    for name, field in _FIELDS.items():
+    for name, field in FIELDS.items():
         doc = field.metadata["doc"]
         if field.default is not None:
-            doc += f" (default: {_show(field, field.default)})"
+            doc += f" (default: {show_value(field, field.default)})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": doc.replace("%", "%%")}
-        if _SPECS[name].kind is bool:
+        if SPECS[name].kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:  # kept as text and parsed by `_parse` like the other layers, so that all report errors alike
             kwargs["metavar"] = _metavar(name)
@@ -311,8 +104,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in _FIELDS:
-            raise ConfigError(_unknown(f"unknown key {key!r} in config file {path}", name, _FIELDS))
+        if name not in FIELDS:
+            raise ConfigError(unknown_name(f"unknown key {key!r} in config file {path}", name, FIELDS))
         values[name] = value
     return values
 
@@ -328,11 +121,11 @@ def config_from(ns: argparse.Namespace, env: Mapping[str, str] | None = None) ->
     for var, text in env.items():
         if var.startswith(ENV_PREFIX) and var != CONFIG_ENV:
             name = var[len(ENV_PREFIX) :].lower()
-            if name not in _FIELDS:
-                known = [ENV_PREFIX + n.upper() for n in _FIELDS]
-                raise ConfigError(_unknown(f"unknown environment variable {var}", var, known))
+            if name not in FIELDS:
+                known = [ENV_PREFIX + n.upper() for n in FIELDS]
+                raise ConfigError(unknown_name(f"unknown environment variable {var}", var, known))
             layers[name] = (text, var)
-    layers.update((name, (getattr(ns, name), _flags(name)[0])) for name in _FIELDS if hasattr(ns, name))
+    layers.update((name, (getattr(ns, name), _flags(name)[0])) for name in FIELDS if hasattr(ns, name))
     try:
         return Config(**{name: _parse(name, value) for name, (value, _) in layers.items()})
     except ConfigError as e:

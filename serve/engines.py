@@ -21,8 +21,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.build import Role
-from actors.scheduler_actor import RemoteScheduler
-from serve.config import Config
+from actors.config import Config
+from actors.engine_actor import RemoteEngine
 from serve.placement import engine_options, worker_options
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def engine_names(cfg: Config) -> dict[str, list[str]]:
 
 def create_engine(cfg: Config, name: str, role: Role) -> Any:
     cluster = ray.cluster_resources()
-    return RemoteScheduler.options(
+    return RemoteEngine.options(
         name=name, namespace=NAMESPACE, lifetime="detached", **engine_options(cfg, role, cluster)
     ).remote(cfg.to_dict(), role, name, worker_options(cfg, role, cluster))
 

@@ -21,8 +21,8 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from actors.config import Config
 from serve.app import build_app
-from serve.config import Config
 from serve.engines import NAMESPACE, start_engines, stop_engines
 
 APP_NAME = "raypd"
@@ -34,7 +34,7 @@ class Deployment:
     cfg: Config
     started_cluster: bool = False  # a local cluster this process started (and stops)
     connected: bool = False  # this process called ray.init (and disconnects)
-    engines: dict[str, Any] = field(default_factory=dict)  # name -> SchedulerActor handle
+    engines: dict[str, Any] = field(default_factory=dict)  # name -> EngineActor handle
     serving: bool = False
 
     @property

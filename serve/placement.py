@@ -1,5 +1,5 @@
 """Where Ray puts each engine: pure functions from the config, the engine's role and the
-cluster's resources to the `.options(...)` of its scheduler actor and of its worker actor.
+cluster's resources to the `.options(...)` of its engine actor and of its worker actor.
 
 Nodes say what they are for with the custom resources `prefill` and `decode` (ray_cluster.yaml,
 or `ray start --resources '{"prefill": 1}'` on-prem). A prefill engine asks for a sliver of
@@ -7,7 +7,7 @@ or `ray start --resources '{"prefill": 1}'` on-prem). A prefill engine asks for 
 and anywhere when it has none (a laptop, CI). The sliver is a label, not a quota: a node with
 `prefill: 1` takes up to 1000 engines, and GPUs are what bound them. With `--device cuda` each
 worker asks for one GPU, so Ray gives it its own device and no two workers share one; the
-scheduler actors compute nothing and ask for none. Colocated engines go anywhere.
+engine actors compute nothing and ask for none. Colocated engines go anywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serve.config import Config
+from actors.config import Config
 
 ROLE_RESOURCES = {"prefill": "prefill", "decode": "decode"}
 LABEL_AMOUNT = 0.001
@@ -28,7 +28,7 @@ def role_resources(role: str, cluster_resources: Mapping[str, float]) -> dict[st
 
 
 def engine_options(cfg: Config, role: str, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
-    """`.options(...)` for an engine's scheduler actor (name, namespace and lifetime are the
+    """`.options(...)` for an engine's engine actor (name, namespace and lifetime are the
     caller's: engines are detached named actors, serve/engines.py)."""
     resources = role_resources(role, cluster_resources)
     return {"resources": resources} if resources else {}

@@ -11,10 +11,10 @@ import torch
 
 from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
+from actors.config import Config
 from actors.messages import SamplingParams
 from actors.reference import greedy_generate
 from models.loader import load_model
-from serve.config import Config
 from tests.models.hf_fixtures import save_hf_model
 
 

@@ -8,8 +8,8 @@ import pytest
 import ray
 
 from actors.client import ActorSlot, EngineCalls, EngineClient
-from actors.scheduler_actor import RemoteScheduler
-from serve.config import Config
+from actors.config import Config
+from actors.engine_actor import RemoteEngine
 from tests.actors.test_engine import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 
@@ -36,7 +36,7 @@ def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
         worker_threads=1,
     )
     reqs = workload(32, seed=3)
-    engine = RemoteScheduler.remote(cfg.to_dict())
+    engine = RemoteEngine.remote(cfg.to_dict())
     ray.get(engine.ready.remote())
 
     async def main():

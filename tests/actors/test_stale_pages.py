@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from actors.config import Config
 from actors.reference import greedy_generate
 from actors.scheduler import Scheduler
 from models.loader import load_model
-from serve.config import Config
 from tests.actors.test_engine import run_local
 from tests.models.hf_fixtures import save_hf_model
 

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.build import build_local_engine
+from actors.config import Config
 from actors.messages import EngineOverloadedError, EngineStats, RequestOutput
 from api import Engine, RoundRobinRouter, create_app
 from api.limits import MAX_BODY_BYTES
-from serve.config import Config
 
 KEY = "sk-local"
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import ray
 
+from actors.config import Config
 from serve import launch
-from serve.config import Config
 from serve.engines import NAMESPACE
 from tests.api.conftest import free_port
 

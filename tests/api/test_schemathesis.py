@@ -26,8 +26,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
 from actors.build import build_local_engine
+from actors.config import Config
 from api import Engine, RoundRobinRouter, create_app
-from serve.config import Config
 from tests.api.conftest import free_port
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"

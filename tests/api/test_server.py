@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
+from actors.config import Config
 from actors.messages import SamplingParams
 from serve import launch
-from serve.config import Config
 from tests.api.conftest import free_port
 
 KEY = "sk-test"

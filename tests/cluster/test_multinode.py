@@ -25,8 +25,8 @@ from tokenizers import Tokenizer
 
 from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
+from actors.config import DEFAULT_MODEL, Config
 from actors.messages import SamplingParams
-from serve.config import DEFAULT_MODEL, Config
 from tests.cluster.netns import INNER_DEVICE, Network
 from tests.cluster.ray_nodes import (
     RAY,
@@ -180,12 +180,12 @@ def test_pd_across_network_namespaces(network, tmp_path):
         where = sorted(
             (a["class_name"], node_ip[a["node_id"]])
             for a in ray_list("actors", dashboard)
-            if a["class_name"] in ("SchedulerActor", "WorkerActor") and a["state"] == "ALIVE"
+            if a["class_name"] in ("EngineActor", "WorkerActor") and a["state"] == "ALIVE"
         )
         assert where == sorted(
             [
-                ("SchedulerActor", prefill_host.address),
-                ("SchedulerActor", decode_host.address),
+                ("EngineActor", prefill_host.address),
+                ("EngineActor", decode_host.address),
                 ("WorkerActor", prefill_host.address),
                 ("WorkerActor", decode_host.address),
             ]

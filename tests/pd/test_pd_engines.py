@@ -11,9 +11,9 @@ import pytest
 import ray
 
 from actors.client import ActorSlot, EngineCalls, EngineClient
+from actors.config import Config
+from actors.engine_actor import RemoteEngine
 from actors.messages import SamplingParams
-from actors.scheduler_actor import RemoteScheduler
-from serve.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 
@@ -22,8 +22,8 @@ DEVICE = os.environ.get("RAYPD_TEST_DEVICE", "cpu")
 
 
 def start_pd(cfg: Config):
-    prefill = RemoteScheduler.remote(cfg.to_dict(), "prefill", "prefill-0")
-    decode = RemoteScheduler.remote(cfg.to_dict(), "decode", "decode-0")
+    prefill = RemoteEngine.remote(cfg.to_dict(), "prefill", "prefill-0")
+    decode = RemoteEngine.remote(cfg.to_dict(), "decode", "decode-0")
     ray.get([prefill.ready.remote(), decode.ready.remote()])
     ray.get(decode.add_nixl_peers.remote(ray.get(prefill.nixl_peers.remote())))
     return prefill, decode

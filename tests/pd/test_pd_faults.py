@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.config import Config
+from actors.config import Config
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, run_pd

@@ -8,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from actors.config import DEFAULT_MODEL, Config, ConfigError, format_size, parse_size
 from serve.config import (
-    DEFAULT_MODEL,
-    Config,
-    ConfigError,
     add_cli_args,
     config_from,
-    format_size,
     load_config,
     load_config_or_exit,
     parse_args,
-    parse_size,
 )
 
 

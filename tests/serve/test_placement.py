@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.config import Config
+from actors.config import Config
 from serve.placement import LABEL_AMOUNT, engine_options, worker_options
 
 PD_CLUSTER = {"CPU": 24.0, "GPU": 2.0, "prefill": 1.0, "decode": 1.0}

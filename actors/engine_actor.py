@@ -1,4 +1,4 @@
-"""The engine as a Ray actor: it runs the scheduler loop and drives its worker actors.
+"""The engine as a Ray actor: the scheduler loop (`EngineCore`) driving its worker actors.
 
 Its methods are what an `EngineClient` calls over Ray: add a request, abort one, and
 collect outputs in batches (one round trip per step for all requests, not one per token).
@@ -14,13 +14,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.build import Role, disagg_config, make_engine, worker_config
+from actors.config import Config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 from actors.worker_actor import RemoteWorker
 from kv.nixl_worker import PeerInfo
-from serve.config import Config
 
 
-class SchedulerActor:
+class EngineActor:
     def __init__(
         self,
         config: dict[str, Any],
@@ -95,4 +95,4 @@ class SchedulerActor:
 
 # Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU
 # accounting runs out fast on a 2-core machine.
-RemoteScheduler = ray.remote(num_cpus=0, max_concurrency=1000)(SchedulerActor)
+RemoteEngine = ray.remote(num_cpus=0, max_concurrency=1000)(EngineActor)
