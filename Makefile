@@ -46,11 +46,12 @@ accuracy: setup
 	$(PY) -m bench.accuracy --mode local
 
 # The shipped model on http://127.0.0.1:8000/v1 until Ctrl-C, one prefill and one decode engine.
-# SERVE_ARGS replaces the engine layout (e.g. SERVE_ARGS="--prefill 0" for colocated); RAYPD_*
-# variables and --config change the rest.
-SERVE_ARGS ?= --prefill 1 --decode 1
+# SERVE_ARGS come after that layout and override it (SERVE_ARGS="--prefill 0" for colocated,
+# SERVE_ARGS="--model models/tiny-qwen35" for the Qwen3.5-style model); RAYPD_* variables and
+# --config change the rest.
+SERVE_ARGS ?=
 serve: setup
-	$(PY) -m serve $(SERVE_ARGS)
+	$(PY) -m serve --prefill 1 --decode 1 $(SERVE_ARGS)
 
 # Benchmarks (not part of `make test`): KV transfer paths and the scheduler's share of a step.
 bench: setup

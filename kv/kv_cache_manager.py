@@ -118,10 +118,11 @@ class KVCacheManager:
         if num_tokens_total < num_new_computed_tokens:
             raise ValueError(f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}")
         hits = self._take_hit_blocks(req_id, num_new_computed_tokens)
-        num_new = sum(
-            max(m.get_num_blocks_to_allocate(req_id, num_tokens_total) - len(hits.get(i, ())), 0)
-            for i, m in enumerate(self.managers)
-        )
+        needs = [m.get_num_blocks_to_allocate(req_id, num_tokens_total) for m in self.managers]
+        if not hits and not any(needs):
+            # The common decode step: the next token fits the blocks the request owns.
+            return tuple([] for _ in self.managers)
+        num_new = sum(max(need - len(hits.get(i, ())), 0) for i, need in enumerate(needs))
         # A hit block sitting in the free queue is counted as free but stops being
         # free once touched, so it cannot also serve as a new block.
         num_free_hits = sum(1 for blocks in hits.values() for b in blocks if b.ref_cnt == 0)

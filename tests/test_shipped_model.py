@@ -1,4 +1,4 @@
-"""The shipped checkpoint answers its eval set, and only because it reads the prompt's KV.
+"""The shipped checkpoints answer their eval sets, and only because they read the prompt's KV.
 
 These are the facts the PD tests stand on: a decode engine that receives the right KV
 matches this accuracy, one whose attention blocks were zeroed after the transfer cannot.
@@ -15,31 +15,36 @@ from bench.accuracy import evaluate, parse_args
 from models.build_tokenizer import EOS_TOKEN_ID
 from models.loader import load_model
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid"
+MODELS = Path(__file__).resolve().parents[1] / "models"
+# The NemotronH-style hybrid (Mamba2 + attention) and the Qwen3.5-style one (Gated DeltaNet + gated attention).
+SHIPPED = pytest.mark.parametrize("model_dir", [MODELS / "tiny-hybrid", MODELS / "tiny-qwen35"], ids=lambda p: p.name)
 
 
-def _accuracy(*flags: str) -> float:
-    args = parse_args(["--mode", "local", "--model", str(MODEL_DIR), "--limit", "50", *flags])
+def _accuracy(model_dir: Path, *flags: str) -> float:
+    args = parse_args(["--mode", "local", "--model", str(model_dir), "--limit", "50", *flags])
     return float(evaluate(args)["accuracy"])
 
 
-def test_checkpoint_is_a_small_bf16_hybrid() -> None:
-    loaded = load_model(MODEL_DIR)
+@SHIPPED
+def test_checkpoint_is_a_small_bf16_hybrid(model_dir: Path) -> None:
+    loaded = load_model(model_dir)
     assert loaded.config.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
     assert len(loaded.config.attention_layers) >= 2 and len(loaded.config.mamba_layers) >= 2
     assert loaded.eos_token_id == EOS_TOKEN_ID
     assert loaded.chat_template is not None
-    assert sum(f.stat().st_size for f in MODEL_DIR.iterdir()) < 10 * 2**20
-    assert len((MODEL_DIR / "eval.jsonl").read_text().splitlines()) == 200
+    assert sum(f.stat().st_size for f in model_dir.iterdir()) < 10 * 2**20
+    assert len((model_dir / "eval.jsonl").read_text().splitlines()) == 200
 
 
-def test_accuracy_on_eval_prompts() -> None:
-    assert _accuracy() >= 0.9
+@SHIPPED
+def test_accuracy_on_eval_prompts(model_dir: Path) -> None:
+    assert _accuracy(model_dir) >= 0.9
 
 
-def test_zeroed_kv_collapses_accuracy() -> None:
-    assert _accuracy("--zero-kv-after-prefill") < 0.2
+@SHIPPED
+def test_zeroed_kv_collapses_accuracy(model_dir: Path) -> None:
+    assert _accuracy(model_dir, "--zero-kv-after-prefill") < 0.2
 
 
 def test_unknown_mode_is_rejected() -> None:

@@ -1,4 +1,4 @@
-"""The shipped hybrid model's accuracy through the real deployments: colocated and PD equal
+"""The shipped hybrid models' accuracy through the real deployments: colocated and PD equal
 the in-process reference, and PD collapses only with the fix switched off."""
 
 from __future__ import annotations
@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 COMMON = ["--limit", "40", "--worker-threads", "1"]
+MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 def accuracy(*flags: str) -> dict:
@@ -19,18 +22,24 @@ def accuracy(*flags: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-qwen35"])
+def model(request) -> str:
+    return str(MODELS / request.param)
+
+
 @pytest.fixture(scope="module")
-def local() -> dict:
-    return accuracy("--mode", "local", "--limit", "40")
+def local(model) -> dict:
+    return accuracy("--mode", "local", "--model", model, "--limit", "40")
 
 
 @pytest.mark.parametrize("mode", ["colocated", "pd"])
-def test_deployments_equal_local(local, mode):
-    got = accuracy("--mode", mode, *COMMON)
+def test_deployments_equal_local(model, local, mode):
+    got = accuracy("--mode", mode, "--model", model, *COMMON)
     assert (got["n"], got["correct"]) == (local["n"], local["correct"])
     assert local["accuracy"] >= 0.9
 
 
-def test_pd_without_the_fix_collapses():
-    got = accuracy("--mode", "pd", "--debug-zero-loaded-blocks", "--debug-stream-delay-ms", "20", *COMMON)
+def test_pd_without_the_fix_collapses(model):
+    flags = ["--debug-zero-loaded-blocks", "--debug-stream-delay-ms", "20"]
+    got = accuracy("--mode", "pd", "--model", model, *flags, *COMMON)
     assert got["accuracy"] < 0.2
