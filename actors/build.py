@@ -10,15 +10,17 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
-from actors.config import Config
+from actors.config import Config, ConfigError
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
 from actors.worker import Worker, WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.kv_cache_manager import KVCacheManager
+from models.config import ConfigError as ModelConfigError
 from models.config import ModelConfig
 from models.loader import load_config, load_generation_config
+from models.tensor_parallel import shard_config
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,16 @@ Role = Literal["colocated", "prefill", "decode"]
 
 
 def worker_config(
-    cfg: Config, role: Role = "colocated", engine_id: str = "", nixl_agent_name: str = ""
+    cfg: Config,
+    role: Role = "colocated",
+    engine_id: str = "",
+    nixl_agent_name: str = "",
+    tp_rank: int = 0,
+    tp_init_method: str = "",
 ) -> WorkerConfig:
+    """Rank `tp_rank`'s worker of an engine of `role`; the engine's KV memory is shared out
+    among its ranks (each holds its share of the heads)."""
+    tp = cfg.tp_size(role)
     return WorkerConfig(
         cfg.model,
         dtype=cfg.dtype,
@@ -36,14 +46,27 @@ def worker_config(
         device=cfg.resolved_device,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
-        kv_cache_memory=cfg.kv_cache_memory,
+        kv_cache_memory=cfg.kv_cache_memory // tp,
         seed=cfg.seed,
         stream_delay_s=cfg.debug_stream_delay_ms / 1000,
         kv_role=role,
         engine_id=engine_id,
         nixl_agent_name=nixl_agent_name,
         kv_fail_fraction=cfg.debug_kv_fail_percent / 100 if role == "decode" else 0.0,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        tp_init_method=tp_init_method,
     )
+
+
+def check_tp(cfg: Config, role: Role) -> None:
+    """Refuse a TP size the model's heads cannot be split over, before any worker starts."""
+    tp = cfg.tp_size(role)
+    flag = {"colocated": "tensor_parallel_size", "prefill": "prefill_tp", "decode": "decode_tp"}[role]
+    try:
+        shard_config(load_config(cfg.model), 0, tp)
+    except ModelConfigError as e:
+        raise ConfigError(f"invalid {flag} {tp} for {cfg.model}: {e}", flag) from None
 
 
 def disagg_config(cfg: Config, role: Role, engine_id: str, agent_name: str = "") -> DisaggConfig | None:

@@ -24,6 +24,7 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
 MiB = 1 << 20
+MAX_TP = 64
 
 
 class ConfigError(ValueError):
@@ -65,9 +66,15 @@ class Config:
     host: str = _f("127.0.0.1", "address the API server binds")
     port: int = _f(8000, "port the API server listens on", lo=1, hi=65535)
     api_key: str | None = _f(None, "bearer token the API requires; default: no auth", secret=True)
-    prefill: int = _f(0, "number of prefill engines; 0 = prefill and decode colocated", lo=0)
+    prefill: int = _f(
+        0,
+        "number of prefill engines; 0 = prefill and decode colocated (1 when --prefill-tp/--decode-tp is given)",
+        lo=0,
+    )
     decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
-    tensor_parallel_size: int = _f(1, "worker actors per engine; only 1 is implemented so far", lo=1, hi=1)
+    tensor_parallel_size: int = _f(1, "worker actors (tensor-parallel ranks) per engine", lo=1, hi=MAX_TP)
+    prefill_tp: int | None = _f(None, "tensor-parallel ranks per prefill engine; default: -tp", lo=1, hi=MAX_TP)
+    decode_tp: int | None = _f(None, "tensor-parallel ranks per decode engine; default: -tp", lo=1, hi=MAX_TP)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
     address: str | None = _f(
         None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a local cluster"
@@ -95,6 +102,9 @@ class Config:
                 f"max_num_seqs ({self.max_num_seqs})",
                 "max_num_batched_tokens",
             )
+        if self.prefill == 0 and (self.prefill_tp is not None or self.decode_tp is not None):
+            # Sizing prefill and decode engines asks for them: one prefill engine unless told more.
+            object.__setattr__(self, "prefill", 1)
 
     @property
     def model_name(self) -> str:
@@ -105,6 +115,11 @@ class Config:
     def colocated(self) -> bool:
         """True when each engine does both prefill and decode."""
         return self.prefill == 0
+
+    def tp_size(self, role: Literal["colocated", "prefill", "decode"]) -> int:
+        """The tensor-parallel ranks of an engine of `role`."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own or self.tensor_parallel_size
 
     @property
     def resolved_device(self) -> str:

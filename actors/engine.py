@@ -27,6 +27,7 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.phases import RequestPhases
+from actors.rank_merge import RankMerger
 from actors.request import Request
 from actors.scheduler import Scheduler
 from kv.transfer_params import KVTransferParams
@@ -54,6 +55,8 @@ class EngineCore:
             raise ValueError("an engine needs at least one worker")
         self.scheduler = scheduler
         self.executors = list(executors)
+        # One executor per tensor-parallel rank: their results become one (actors/rank_merge.py).
+        self.merger = RankMerger(len(self.executors))
         self.depth = 2 if async_scheduling else 1
         self.eos_token_id = eos_token_id
         self.max_waiting = max_waiting
@@ -219,7 +222,8 @@ class EngineCore:
                 # Popped only once applied: until then `wait_idle` must see the step in flight.
                 flight.popleft()
                 self.num_steps += 1
-                self._publish(self.scheduler.update_from_output(out, results[0]))
+                self._publish(self.scheduler.update_from_output(out, self.merger.merge(results)))
+                self.merger.forget_sent(self.scheduler.is_held)
                 if not out.num_scheduled_tokens:
                     await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
                 continue

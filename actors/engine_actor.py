@@ -7,13 +7,14 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.build import Role, disagg_config, make_engine, worker_config
+from actors.build import Role, check_tp, disagg_config, make_engine, worker_config
 from actors.config import Config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 from actors.worker_actor import RemoteWorker
@@ -36,15 +37,24 @@ class EngineActor:
         self.engine_id = engine_id
         # Unique per incarnation: a replaced engine's agent must not be confused with the old one.
         agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}" if role != "colocated" else ""
+        check_tp(self.config, role)
+        tp = self.config.tp_size(role)
+        # The ranks meet at a port of this node, where they are placed too (a rank that Ray
+        # must place elsewhere reaches it over the network).
+        init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}" if tp > 1 else ""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.workers = [
             RemoteWorker.options(scheduling_strategy=here, **(worker_options or {})).remote(
-                worker_config(self.config, role, engine_id, agent_name), num_threads=self.config.worker_threads
+                worker_config(self.config, role, engine_id, agent_name, rank, init),
+                num_threads=self.config.worker_threads,
             )
+            for rank in range(tp)
         ]
-        layout = ray.get(self.workers[0].layout.remote())
+        layouts = ray.get([w.layout.remote() for w in self.workers])
+        if any((lay.num_blocks, lay.block_size) != (layouts[0].num_blocks, layouts[0].block_size) for lay in layouts):
+            raise RuntimeError(f"the ranks of {engine_id} planned different caches: {layouts}")
         disagg = disagg_config(self.config, role, engine_id, agent_name)
-        self.core = make_engine(self.config, layout, [w.execute_model.remote for w in self.workers], disagg)
+        self.core = make_engine(self.config, layouts[0], [w.execute_model.remote for w in self.workers], disagg)
 
     async def ready(self) -> bool:
         return True
@@ -91,6 +101,12 @@ class EngineActor:
     async def shutdown(self) -> None:
         await self.core.close()
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 # Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU

@@ -145,6 +145,10 @@ class Scheduler(DisaggScheduling):
         """Prefill side: requests whose KV waits for a decode side to read it."""
         return len(self._held)
 
+    def is_held(self, req_id: str) -> bool:
+        """Prefill side: whether the request's blocks still wait for a decode side to read them."""
+        return req_id in self._held
+
     def has_work(self) -> bool:
         """Anything left to schedule or to wait for; an idle engine holds no block."""
         return bool(

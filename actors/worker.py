@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from actors.compute_stream import ComputeStream
 from actors.messages import (
@@ -30,12 +31,14 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.sampler import Sampler
-from kv.cache_layout import CacheLayout, allocate_caches, plan_layout
+from kv.cache_layout import CacheLayout, allocate_caches, auto_block_size, plan_layout
 from kv.nixl_worker import NixlWorkerConnector
+from kv.tp_slices import PageSlicer
 from kv.transfer_stats import TransferStats
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_config, load_model
+from models.tensor_parallel import init_tp_group
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +82,33 @@ class WorkerConfig:
     # in the KVTransferParams it hands out.
     nixl_agent_name: str = ""
     kv_fail_fraction: float = 0.0  # tests: fail this share of KV loads
+    # Tensor parallelism: this worker's rank among its engine's workers, and where they meet
+    # (a `tcp://host:port` torch.distributed init method; unused when tp_size is 1).
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_init_method: str = ""
+
+
+def rank_agent_name(agent_name: str, rank: int) -> str:
+    """Rank `rank`'s NIXL agent. Rank 0's is the engine's own name: the one KVTransferParams
+    carry, from which a reader finds the other ranks."""
+    return agent_name if rank == 0 else f"{agent_name}-tp{rank}"
 
 
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = torch.device(cfg.device)
+        self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
-        if weights is None and self.device.type == "cpu" and load_config(cfg.model_dir).dtype.itemsize < 4:
+        if weights is None and self.device.type == "cpu" and self.full_config.dtype.itemsize < 4:
             weights = torch.float32  # half-precision matmuls run several times slower than fp32 on CPUs
-        loaded = load_model(cfg.model_dir, dtype=weights, device=self.device)
+        self.tp = init_tp_group(cfg.tp_rank, cfg.tp_size, cfg.tp_init_method, self.device)
+        loaded = load_model(cfg.model_dir, dtype=weights, device=self.device, tp=self.tp)
         self.model = loaded.model
-        self.config: ModelConfig = loaded.config
+        self.config: ModelConfig = loaded.config  # this rank's share under tensor parallelism
         cache_dtype = parse_dtype(cfg.kv_cache_dtype) or next(self.model.parameters()).dtype
-        self._layout = plan_layout(self.config, cache_dtype, cfg.block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
+        block_size = cfg.block_size or auto_block_size(self.full_config, cache_dtype)
+        self._layout = plan_layout(self.config, cache_dtype, block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
         self.sampler = Sampler(cfg.seed, self.device)
@@ -109,9 +126,17 @@ class Worker:
                 self.buffers,
                 self._layout.page_bytes,
                 self._layout.num_blocks,
-                agent_name=cfg.nixl_agent_name or None,
+                agent_name=rank_agent_name(cfg.nixl_agent_name, cfg.tp_rank) if cfg.nixl_agent_name else None,
                 fail_fraction=cfg.kv_fail_fraction,
                 fail_seed=cfg.seed,
+                slicer=PageSlicer(
+                    self.full_config,
+                    self._layout.block_size,
+                    cache_dtype,
+                    self.tp.rank,
+                    self.tp.size,
+                    tuple(g.kind for g in self._layout.groups),
+                ),
             )
         )
         self._faults_to_inject = 0
@@ -171,6 +196,8 @@ class Worker:
         self._stream.close()
         if self.connector is not None:
             self.connector.close()
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
     @torch.inference_mode()
     def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 
     python -m bench.accuracy --mode local [--model models/tiny-hybrid] [--limit N] [--zero-kv-after-prefill]
     python -m bench.accuracy --mode colocated|pd [any `python -m serve` flag, e.g. --worker-threads 1]
+    python -m bench.accuracy --mode pd --prefill-tp 2 --decode-tp 1   # tensor-parallel engines
 
 `local` runs the model in this process (actors.reference); `colocated` and `pd` run the real
 engines as Ray actors on a local cluster (pd: prefill and decode engines moving KV over
@@ -71,7 +72,7 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
     if args.mode == "pd" and cfg.colocated:
         cfg = dataclasses.replace(cfg, prefill=1)
     elif args.mode == "colocated":
-        cfg = dataclasses.replace(cfg, prefill=0)
+        cfg = dataclasses.replace(cfg, prefill=0, prefill_tp=None, decode_tp=None)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
     ray.init(
         address="local",
@@ -134,6 +135,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, object]:
         "debug_zero_loaded_blocks": args.config.debug_zero_loaded_blocks,
         "debug_stream_delay_ms": args.config.debug_stream_delay_ms,
         "zero_kv_after_prefill": args.zero_kv_after_prefill,
+        "tp": {role: args.config.tp_size(role) for role in ("colocated", "prefill", "decode")},
         "n": len(records),
         "correct": correct,
         "accuracy": correct / len(records),

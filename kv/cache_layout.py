@@ -67,6 +67,15 @@ def plan_groups(cfg: ModelConfig) -> tuple[tuple[CacheGroup, ...], tuple[tuple[i
     return groups, buffers
 
 
+def auto_block_size(cfg: ModelConfig, attn_dtype: torch.dtype) -> int:
+    """The smallest multiple of 16 whose attention page holds a Mamba state, so neither kind
+    wastes much. Tensor-parallel engines pass the full model's config: engines of every TP
+    size must agree on the block size for PD to hand blocks over."""
+    per_token = _attn_page_bytes(cfg, 1, attn_dtype)
+    blocks = math.ceil(_mamba_page_bytes(cfg) / per_token / _AUTO_BLOCK_MULTIPLE)
+    return max(_AUTO_BLOCK_MULTIPLE, blocks * _AUTO_BLOCK_MULTIPLE)
+
+
 def plan_layout(
     cfg: ModelConfig,
     attn_dtype: torch.dtype,
@@ -74,15 +83,11 @@ def plan_layout(
     num_blocks: int | None = None,
     memory_bytes: int | None = None,
 ) -> CacheLayout:
-    """Pick the block size (when not given: the smallest multiple of 16 whose attention page
-    holds a Mamba state, so neither kind wastes much) and the block count (given, or what
-    `memory_bytes` holds)."""
+    """Pick the block size (when not given: `auto_block_size`) and the block count (given,
+    or what `memory_bytes` holds)."""
     mamba = _mamba_page_bytes(cfg)
     if block_size is None:
-        per_token = _attn_page_bytes(cfg, 1, attn_dtype)
-        block_size = max(
-            _AUTO_BLOCK_MULTIPLE, math.ceil(mamba / per_token / _AUTO_BLOCK_MULTIPLE) * _AUTO_BLOCK_MULTIPLE
-        )
+        block_size = auto_block_size(cfg, attn_dtype)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     attn = _attn_page_bytes(cfg, block_size, attn_dtype)
@@ -131,9 +136,12 @@ def allocate_caches(
 
 
 def _attn_view(buf: torch.Tensor, layout: CacheLayout, cfg: ModelConfig) -> LayerCache:
+    """K and V as `[num_blocks, block_size, kv_heads, head_dim]` over head-major pages
+    (`[2, kv_heads, block_size, head_dim]`): one head's tokens are one run of bytes, so a
+    tensor-parallel reader takes a head slice as one descriptor (kv/tp_slices.py)."""
     kv = buf[:, : layout.attn_page_bytes].view(layout.attn_dtype)
-    kv = kv.view(layout.num_blocks, 2, layout.block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return kv[:, 0], kv[:, 1]
+    kv = kv.view(layout.num_blocks, 2, cfg.num_key_value_heads, layout.block_size, cfg.head_dim)
+    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
 def _mamba_view(buf: torch.Tensor, cfg: ModelConfig) -> LayerCache:

@@ -6,6 +6,13 @@ block b is row b of every buffer, so a block is one page per buffer. Buffers are
 once, and one descriptor per (buffer, block) page is prepared once, locally and per peer:
 index = buffer * num_blocks + block. A load is then two index lists.
 
+Tensor parallelism. Each rank of an engine has its own agent and registers its own shard;
+`PeerInfo` names the rank and its engine's rank-0 agent (the one KVTransferParams carry).
+Between engines of equal TP size rank d reads whole pages from rank d. Otherwise a rank
+reads its head slices from every remote rank holding some (kv/tp_slices.py), with
+descriptors made per READ; a remote rank read by n ranks is notified n times, the count
+in the message, and reports the request read once all n arrived.
+
 Completion. A READ's bytes land outside the compute stream, while it runs other steps
 (UCX moves them; on one host cma reads the peer's memory directly). Nothing here waits
 for that stream; the scheduler keeps loaded blocks out of the zero list (docs/design.md §2).
@@ -56,10 +63,14 @@ import numpy as np
 import torch
 
 from kv.nixl_shim import NIXL_ERRORS, nixl_agent, nixl_agent_config
+from kv.tp_slices import PageSlicer
 from kv.transfer_params import KVTransferParams
 from kv.transfer_stats import TransferStats
 
 log = logging.getLogger(__name__)
+
+# Separates a request id from the number of notifications its blocks wait for (TP readers).
+_COUNT_SEP = "\x1f"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,11 @@ class PeerInfo:
     num_blocks: int
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
+    # Tensor parallelism: this worker's rank in its engine, and rank 0's agent name (the one
+    # KVTransferParams carry); every rank's page holds only its share of the heads.
+    tp_rank: int = 0
+    tp_size: int = 1
+    engine_agent: str = ""
 
 
 @dataclass(slots=True)
@@ -88,18 +104,26 @@ class FinishedTransfers:
 @dataclass(slots=True)
 class _Peer:
     info: PeerInfo
-    descs: Any  # the prepared remote descriptor list
+    descs: Any  # the prepared remote descriptor list (whole pages); None for another TP size
 
 
 @dataclass(slots=True)
 class _Load:
-    remote_agent: str
-    remote_req_id: str
     block_ids: list[int]  # every local block the load writes, in group order
     skipped: list[int]  # local blocks left unread: reported as failed
-    handle: Any = None  # None when nothing is in flight
-    started: float = 0.0  # time.monotonic() when the READ was posted
-    num_descs: int = 0  # pages the READ moves
+    # One READ per remote rank read from (agent -> handle), each carrying its notification
+    # (agent -> message); empty when nothing is in flight.
+    handles: dict[str, Any] = field(default_factory=dict)
+    messages: dict[str, str] = field(default_factory=dict)
+    started: float = 0.0  # time.monotonic() when the READs were posted
+    num_descs: int = 0  # descriptors the READs move
+    num_bytes: int = 0
+
+
+def _rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    rows = np.empty((len(addrs), 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, length, device_id
+    return rows
 
 
 def _page_descs(base_addrs: Sequence[int], page_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
@@ -126,7 +150,10 @@ class NixlWorkerConnector:
         poll_interval_s: float | None = 0.001,
         fail_fraction: float = 0.0,
         fail_seed: int = 0,
+        slicer: PageSlicer | None = None,
     ) -> None:
+        """`slicer` describes this worker's tensor-parallel rank and its pages (kv/tp_slices.py);
+        without one the worker is a single rank and reads single-rank peers only."""
         if not buffers:
             raise ValueError("the connector needs at least one buffer")
         device = buffers[0].device
@@ -155,6 +182,10 @@ class NixlWorkerConnector:
         self._device_id = device.index or 0  # a CPU tensor has no index; DRAM is device 0
         self._fail_fraction = fail_fraction
         self._rng = random.Random(fail_seed)
+        self._slicer = slicer
+        self._tp_rank, self._tp_size = (slicer.rank, slicer.size) if slicer is not None else (0, 1)
+        self._ranks: dict[str, dict[int, str]] = {}  # engine agent -> rank -> agent
+        self._notif_counts: dict[str, int] = {}  # prefill side: counted notifications so far
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._loads: dict[str, _Load] = {}
@@ -187,14 +218,22 @@ class NixlWorkerConnector:
             self.num_blocks,
             self._mem_type,
             self._device_id,
+            self._tp_rank,
+            self._tp_size,
+            self._engine_agent(self.agent_name, self._tp_rank),
         )
+
+    @staticmethod
+    def _engine_agent(agent_name: str, rank: int) -> str:
+        return agent_name.removesuffix(f"-tp{rank}") if rank else agent_name
 
     def add_peer(self, info: PeerInfo) -> None:
         """Load a peer's agent metadata and prepare its pages; adding a known peer again is a no-op."""
         with self._lock:
             if info.agent_name in self._peers:
                 return
-            if info.page_bytes != self.page_bytes or len(info.base_addrs) != len(self._base_addrs):
+            same_tp = info.tp_size == self._tp_size
+            if (same_tp and info.page_bytes != self.page_bytes) or len(info.base_addrs) != len(self._base_addrs):
                 raise ValueError(
                     f"peer {info.agent_name} has {len(info.base_addrs)} buffers of {info.page_bytes}B "
                     f"pages, this worker {len(self._base_addrs)} of {self.page_bytes}B"
@@ -204,10 +243,19 @@ class NixlWorkerConnector:
             if name != info.agent_name:
                 self._agent.remove_remote_agent(name)
                 raise ValueError(f"peer metadata names agent {name!r}, PeerInfo says {info.agent_name!r}")
-            descs = self._agent.prep_xfer_dlist(
-                name, _page_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id), info.mem_type
+            if not same_tp and self._slicer is None:
+                self._agent.remove_remote_agent(name)
+                raise ValueError(f"peer {name} is rank {info.tp_rank} of {info.tp_size}; this worker reads whole pages")
+            # A peer of another TP size is read in head slices, with descriptors made per READ.
+            descs = (
+                self._agent.prep_xfer_dlist(
+                    name, _page_descs(info.base_addrs, info.page_bytes, info.num_blocks, info.device_id), info.mem_type
+                )
+                if same_tp
+                else None
             )
             self._peers[name] = _Peer(info, descs)
+            self._ranks.setdefault(info.engine_agent or name, {})[info.tp_rank] = name
 
     def start_load(self, req_id: str, params: KVTransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
         """READ the request's remote blocks into `local_block_ids`, group by group, every
@@ -221,34 +269,63 @@ class NixlWorkerConnector:
                 raise RuntimeError("the connector is closed")
             if req_id in self._loads:
                 raise ValueError(f"a load for {req_id!r} is already in flight")
-            peer = self._peers.get(params.remote_agent_name)
             try:
-                if peer is None:
-                    raise ValueError(f"unknown peer {params.remote_agent_name!r}")
-                pairs = self._pair(local_block_ids, params.remote_block_ids, peer.info.num_blocks)
+                peers = self._engine_peers(params.remote_agent_name)
+                pairs = self._pair(local_block_ids, params.remote_block_ids, peers[0].info.num_blocks)
             except ValueError as e:
                 log.warning("KV load of %s refused: %s", req_id, e)
                 self._pending.failed[req_id] = [int(b) for group in local_block_ids for b in group]
-                if peer is not None:
-                    self._notify(peer.info.agent_name, params.request_id)
+                self._notify_engine(params.remote_agent_name, params.request_id)
                 return
             kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
             load = _Load(
-                peer.info.agent_name,
-                params.request_id,
                 block_ids=[mine for group in pairs for mine, _ in group],
                 skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k) :]],
             )
-            local = [mine for group in kept for mine, _ in group]
-            remote = [theirs for group in kept for _, theirs in group]
-            if local:
-                load.started, load.num_descs = time.monotonic(), len(local) * len(self._base_addrs)
-                load.handle = self._read(peer, local, remote, params.request_id)
-                if load.handle is None:
-                    load.skipped = list(load.block_ids)
-            if load.handle is None:  # nothing in flight carries the notification
-                self._notify(load.remote_agent, load.remote_req_id)
+            load.started = time.monotonic()
+            for peer, message in self._targets(peers, params.request_id):
+                handle = self._read(peer, kept, message, load) if self._reads_any(peer, kept) else None
+                if handle is None:  # nothing in flight carries this rank's notification
+                    self._notify(peer.info.agent_name, message)
+                    continue
+                load.handles[peer.info.agent_name] = handle
+                load.messages[peer.info.agent_name] = message
             self._loads[req_id] = load
+
+    def _engine_peers(self, engine_agent: str) -> list[_Peer]:
+        """Every rank of the engine whose rank-0 agent is `engine_agent`, in rank order."""
+        ranks = self._ranks.get(engine_agent)
+        if ranks is None:
+            raise ValueError(f"unknown peer {engine_agent!r}")
+        peers = [self._peers[name] for _, name in sorted(ranks.items())]
+        if len(peers) != peers[0].info.tp_size:
+            raise ValueError(f"peer {engine_agent!r} has {len(peers)} of its {peers[0].info.tp_size} ranks registered")
+        return peers
+
+    def _targets(self, peers: list[_Peer], req_id: str) -> list[tuple[_Peer, str]]:
+        """The remote ranks this rank reads from or must notify, each with its notification.
+        Equal TP sizes pair rank with rank; otherwise a remote rank read by n local ranks
+        waits for n notifications, counted in the message (`_on_notif`)."""
+        size = peers[0].info.tp_size
+        if size == self._tp_size:
+            return [(peers[self._tp_rank], req_id)]
+        assert self._slicer is not None  # add_peer refuses other TP sizes without one
+        out = []
+        for p, peer in enumerate(peers):
+            if self._slicer.notifies(p, size):
+                n = self._slicer.readers(p, size)
+                out.append((peer, req_id if n == 1 else f"{req_id}{_COUNT_SEP}{n}"))
+        return out
+
+    def _notify_engine(self, engine_agent: str, req_id: str) -> None:
+        """Notify every rank of a remote engine this rank answers for (an unknown one as is)."""
+        try:
+            targets = self._targets(self._engine_peers(engine_agent), req_id)
+        except ValueError:
+            self._notify(engine_agent, req_id)
+            return
+        for peer, message in targets:
+            self._notify(peer.info.agent_name, message)
 
     def get_finished(self) -> FinishedTransfers:
         """Loads that ended since the last call (decode side) and request ids whose pages a
@@ -266,7 +343,7 @@ class NixlWorkerConnector:
         """Tell a prefill worker it may free `req_id`'s blocks without a READ (the decode side
         aborted or rejected the request)."""
         with self._lock:
-            self._notify(agent_name, req_id)
+            self._notify_engine(agent_name, req_id)
 
     def close(self) -> None:
         """Release handles and deregister memory. Call it once no load is in flight: a READ
@@ -280,11 +357,12 @@ class NixlWorkerConnector:
             self._poller.join()
         with self._lock:
             for load in self._loads.values():
-                if load.handle is not None:
-                    self._release(load.handle)
+                for handle in load.handles.values():
+                    self._release(handle)
             self._loads.clear()
             for name, peer in self._peers.items():
-                peer.descs.release()
+                if peer.descs is not None:
+                    peer.descs.release()
                 self._agent.remove_remote_agent(name)
             self._peers.clear()
             self._local.release()
@@ -298,16 +376,16 @@ class NixlWorkerConnector:
     def _poll(self) -> None:
         """Progress UCX and move what ended into `_pending`; the caller holds the lock."""
         for req_id, load in list(self._loads.items()):
-            state = "DONE" if load.handle is None else self._state(load.handle)
-            if state == "PROC":
+            states = {agent: self._state(handle) for agent, handle in load.handles.items()}
+            if "PROC" in states.values():
                 continue
             del self._loads[req_id]
-            if load.handle is not None:
-                self._release(load.handle)
-            if state == "ERR":
-                log.warning("KV load of %s from %s failed", req_id, load.remote_agent)
+            for handle in load.handles.values():
+                self._release(handle)
+            for agent in [a for a, state in states.items() if state == "ERR"]:
+                log.warning("KV load of %s from %s failed", req_id, agent)
                 load.skipped = list(load.block_ids)
-                self._notify(load.remote_agent, load.remote_req_id)
+                self._notify(agent, load.messages[agent])
             if load.skipped:
                 self._pending.failed[req_id] = load.skipped
                 self.stats.failed += 1
@@ -322,14 +400,27 @@ class NixlWorkerConnector:
         for agent, msgs in notifs.items():
             for msg in msgs:
                 try:
-                    self._pending.done_sending.add(msg.decode())
+                    self._on_notif(msg.decode())
                 except UnicodeDecodeError:
                     log.warning("ignoring a notification from %s that is no request id: %r", agent, msg[:64])
 
+    def _on_notif(self, text: str) -> None:
+        """A request id, or `id<SEP>n` when n readers (other TP ranks) each send one: the
+        blocks are read once all n arrived."""
+        req_id, sep, count = text.rpartition(_COUNT_SEP)
+        if not sep or not count.isdigit():
+            self._pending.done_sending.add(text)
+            return
+        seen = self._notif_counts.pop(req_id, 0) + 1
+        if seen >= int(count):
+            self._pending.done_sending.add(req_id)
+        else:
+            self._notif_counts[req_id] = seen
+
     def _count(self, load: _Load) -> None:
-        if load.handle is not None:  # a load of nothing (no blocks granted) moved nothing
+        if load.handles:  # a load of nothing (no blocks granted) moved nothing
             self.stats.seconds.observe(time.monotonic() - load.started)
-            self.stats.bytes += load.num_descs * self.page_bytes
+            self.stats.bytes += load.num_bytes
             self.stats.descriptors += load.num_descs
 
     def _pair(
@@ -359,26 +450,89 @@ class NixlWorkerConnector:
     def _draw_failure(self) -> bool:
         return self._fail_fraction > 0.0 and self._rng.random() < self._fail_fraction
 
-    def _read(self, peer: _Peer, local: list[int], remote: list[int], notif: str) -> Any:
-        """Post the READ of these blocks' pages in every buffer; None if NIXL refused it."""
-        buffers = np.arange(len(self._base_addrs), dtype=np.int64)[:, None]
-        local_idx = (buffers * self.num_blocks + np.asarray(local)).ravel().astype(np.int32)
-        remote_idx = (buffers * peer.info.num_blocks + np.asarray(remote)).ravel().astype(np.int32)
+    def _reads_any(self, peer: _Peer, pairs: list[list[tuple[int, int]]]) -> bool:
+        if peer.descs is not None:
+            return any(pairs)
+        assert self._slicer is not None
+        info = peer.info
+        return any(
+            group and self._slicer.pieces(kind, info.tp_rank, info.tp_size)
+            for kind, group in zip(self._slicer.kinds, pairs)
+        )
+
+    def _read(self, peer: _Peer, pairs: list[list[tuple[int, int]]], notif: str, load: _Load) -> Any:
+        """Post the READ of these block pairs from one remote rank and count it in `load`;
+        None if NIXL refused it (the whole load then fails). Whole pages from a rank of the
+        same TP size, head slices from another (kv/tp_slices.py)."""
         try:
-            handle = self._agent.make_prepped_xfer(
-                "READ", self._local, local_idx, peer.descs, remote_idx, notif_msg=notif.encode()
-            )
+            if peer.descs is not None:
+                indices = self._page_indices(peer, pairs)
+                handle = self._agent.make_prepped_xfer("READ", self._local, *indices, notif_msg=notif.encode())
+                num_descs, num_bytes = len(indices[0]), len(indices[0]) * self.page_bytes
+            else:
+                local, remote = self._slice_descs(peer, pairs)
+                num_descs, num_bytes = len(local), int(local[:, 1].sum())
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, self._mem_type),
+                    self._agent.get_xfer_descs(remote, peer.info.mem_type),
+                    peer.info.agent_name,
+                    notif.encode(),
+                )
         except NIXL_ERRORS as e:
             log.warning("NIXL refused a READ from %s: %r", peer.info.agent_name, e)
             return None
         try:
             if self._agent.transfer(handle) != "ERR":
+                load.num_descs += num_descs
+                load.num_bytes += num_bytes
                 return handle
             log.warning("NIXL could not post a READ from %s", peer.info.agent_name)
         except NIXL_ERRORS as e:
             log.warning("NIXL could not post a READ from %s: %r", peer.info.agent_name, e)
         self._release(handle)
+        load.skipped = list(load.block_ids)
         return None
+
+    def _page_indices(self, peer: _Peer, pairs: list[list[tuple[int, int]]]) -> tuple[np.ndarray, Any, np.ndarray]:
+        """Indices into the prepared page lists of every buffer's pages of these blocks."""
+        local = np.asarray([a for group in pairs for a, _ in group], dtype=np.int64)
+        remote = np.asarray([b for group in pairs for _, b in group], dtype=np.int64)
+        buffers = np.arange(len(self._base_addrs), dtype=np.int64)[:, None]
+        local_idx = (buffers * self.num_blocks + local).ravel().astype(np.int32)
+        remote_idx = (buffers * peer.info.num_blocks + remote).ravel().astype(np.int32)
+        return local_idx, peer.descs, remote_idx
+
+    def _slice_descs(self, peer: _Peer, pairs: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """(address, length, device) rows, local and remote, of this rank's head slices of
+        the remote rank's pages: per group, buffer, block pair and piece."""
+        assert self._slicer is not None
+        info = peer.info
+        local_rows: list[np.ndarray] = []
+        remote_rows: list[np.ndarray] = []
+        for kind, group in zip(self._slicer.kinds, pairs):
+            pieces = self._slicer.pieces(kind, info.tp_rank, info.tp_size)
+            if not group or not pieces:
+                continue
+            mine = np.asarray([a for a, _ in group], dtype=np.uint64)
+            theirs = np.asarray([b for _, b in group], dtype=np.uint64)
+            for base, remote_base in zip(self._base_addrs, info.base_addrs):
+                for piece in pieces:
+                    local_rows.append(
+                        _rows(
+                            base + mine * np.uint64(self.page_bytes) + np.uint64(piece.local),
+                            piece.length,
+                            self._device_id,
+                        )
+                    )
+                    remote_rows.append(
+                        _rows(
+                            remote_base + theirs * np.uint64(info.page_bytes) + np.uint64(piece.remote),
+                            piece.length,
+                            info.device_id,
+                        )
+                    )
+        return np.concatenate(local_rows), np.concatenate(remote_rows)
 
     def _state(self, handle: Any) -> str:
         try:

@@ -43,10 +43,17 @@ class MambaSpec:
     chunk_size: int
     time_step_min: float
     use_conv_bias: bool
+    # The gated norm's group width when it is not this spec's own `intermediate_size //
+    # n_groups`: a tensor-parallel rank's share of a group that spans every rank.
+    norm_group_size: int | None = None
 
     @property
     def intermediate_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.norm_group_size or self.intermediate_size // self.n_groups
 
     @property
     def conv_dim(self) -> int:

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.tensor_parallel import SINGLE, TPGroup
+
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32.
@@ -31,19 +33,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba2's output norm: gate with silu(z), then RMS-normalise per group."""
+    """Mamba2's output norm: gate with silu(z), then RMS-normalise per group.
 
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    A group wider than this module (`group_size > size`) spans the heads of every
+    tensor-parallel rank: the mean of squares is then summed across the ranks."""
+
+    def __init__(self, size: int, group_size: int, eps: float, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.group_size = group_size
         self.eps = eps
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_size > h.shape[-1]:
+            g = h[..., None, :]
+            mean = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True)) / self.group_size
+        else:
+            g = h.view(*h.shape[:-1], -1, self.group_size)
+            mean = g.pow(2).mean(-1, keepdim=True)
+        g = g * torch.rsqrt(mean + self.eps)
         return self.weight * g.view(h.shape).to(dtype)
 
 

@@ -22,6 +22,7 @@ from models.config import ConfigError, ModelConfig
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
+from models.tensor_parallel import SINGLE, TPGroup, shard_config, shard_weights
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "nemotron_h": NemotronHForCausalLM,
@@ -120,16 +121,20 @@ def _chat_template(model_dir: Path) -> str | None:
     return _read_json(cfg).get("chat_template") if cfg.exists() else None
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE) -> nn.Module:
     """The model class for `cfg.architecture`, with its modules' own initial weights."""
-    return _CLASSES[cfg.architecture](cfg)
+    return _CLASSES[cfg.architecture](cfg, tp)
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
     """Build the model for `config.json`, fill it from safetensors, cast to `dtype` (default:
-    the checkpoint's dtype) and move it to `device`."""
+    the checkpoint's dtype) and move it to `device`. Under tensor parallelism the model is
+    rank `tp.rank`'s share and the returned config is that rank's local config."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -138,11 +143,16 @@ def load_model(
     if not tok_path.exists():
         raise ModelLoadError(f"missing file {tok_path}")
     tokenizer = Tokenizer.from_file(str(tok_path))
-    model = build_model(cfg)
-    _assign(model, *_read_weights(path), cfg.tie_word_embeddings)
+    try:
+        local = shard_config(cfg, tp.rank, tp.size)
+    except ConfigError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+    model = build_model(local, tp)
+    weights, original = _read_weights(path)
+    _assign(model, shard_weights(cfg, weights, tp.rank, tp.size), original, cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
     generation, eos = load_generation_config(path, cfg)
-    return LoadedModel(model, cfg, tokenizer, eos, generation, _chat_template(path))
+    return LoadedModel(model, local, tokenizer, eos, generation, _chat_template(path))
 
 
 def load_generation_config(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, Any] | None, int | None]:

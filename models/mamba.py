@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from models.batch import ForwardBatch
 from models.config import MambaSpec
 from models.layers import GatedRMSNorm
+from models.tensor_parallel import SINGLE, TPGroup
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ def chunk_scan(
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, hidden_size: int, spec: MambaSpec, eps: float, bias: bool) -> None:
+    def __init__(self, hidden_size: int, spec: MambaSpec, eps: float, bias: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.spec = spec
         inter = spec.intermediate_size
@@ -85,7 +86,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, spec.num_heads + 1, dtype=torch.float)))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
-        self.norm = GatedRMSNorm(inter, inter // spec.n_groups, eps)
+        self.norm = GatedRMSNorm(inter, spec.group_size, eps, tp)
         self.out_proj = nn.Linear(inter, hidden_size, bias=bias)
 
     def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.layers import RMSNorm, relu2
 from models.mamba import Mamba2Mixer
+from models.tensor_parallel import SINGLE, TPGroup
 
 
 class Attention(nn.Module):
@@ -55,13 +56,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, tp: TPGroup) -> None:
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=True)
         if kind == "mamba":
             assert cfg.mamba is not None
-            self.mixer: nn.Module = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.norm_eps, cfg.use_bias)
+            self.mixer: nn.Module = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.norm_eps, cfg.use_bias, tp)
         elif kind == "attention":
             self.mixer = Attention(cfg)
         else:
@@ -69,18 +70,22 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.layer_kinds)
+        self.layers = nn.ModuleList(Block(cfg, kind, tp) for kind in cfg.layer_kinds)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=True)
 
 
 class NemotronHForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`cfg` is this rank's local config under tensor parallelism (models/tensor_parallel.py):
+    each block's output is a partial sum until `tp.all_reduce`."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.tp = tp
+        self.model = Backbone(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -89,7 +94,7 @@ class NemotronHForCausalLM(nn.Module):
         for block in self.model.layers:
             mixer = block.mixer
             x = block.norm(h)
-            h = h + (mixer.forward_dense(x) if block.kind != "mlp" else mixer(x))
+            h = h + self.tp.all_reduce(mixer.forward_dense(x) if block.kind != "mlp" else mixer(x))
         return self.lm_head(self.model.norm_f(h)).float()
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
@@ -104,5 +109,5 @@ class NemotronHForCausalLM(nn.Module):
                 x = block.mixer(x, batch, caches[i], i)
             else:
                 x = block.mixer(x)
-            h = h + x
+            h = h + self.tp.all_reduce(x)
         return self.lm_head(self.model.norm_f(h[batch.logits_indices])).float()

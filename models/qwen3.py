@@ -10,6 +10,7 @@ from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.layers import RMSNorm, Rotary
+from models.tensor_parallel import SINGLE, TPGroup
 
 
 class Qwen3Attention(nn.Module):
@@ -74,9 +75,13 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`cfg` is this rank's local config under tensor parallelism (models/tensor_parallel.py):
+    attention and MLP outputs are partial sums until `tp.all_reduce`."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.model = Qwen3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -85,13 +90,13 @@ class Qwen3ForCausalLM(nn.Module):
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.tp.all_reduce(layer.self_attn.forward_dense(layer.input_layernorm(h)))
+            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h)).float()
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), batch, caches[i], i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.tp.all_reduce(layer.self_attn(layer.input_layernorm(h), batch, caches[i], i))
+            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h[batch.logits_indices])).float()

@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.layers import Rotary
 from models.qwen3 import Qwen3MLP
+from models.tensor_parallel import SINGLE, TPGroup
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -107,9 +108,13 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`cfg` is this rank's local config under tensor parallelism (models/tensor_parallel.py):
+    mixer and MLP outputs are partial sums until `tp.all_reduce`."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.model = Qwen3_5Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -119,14 +124,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         """Batched causal forward from an empty state: [B, T] -> logits [B, T, V] (fp32)."""
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = h + layer.mixer_dense(layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.tp.all_reduce(layer.mixer_dense(layer.input_layernorm(h)))
+            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h)).float()
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
         """One flat mixed step; returns fp32 logits of each request's last token [R, V]."""
         h = self.model.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.mixer(layer.input_layernorm(h), batch, caches[i], i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.tp.all_reduce(layer.mixer(layer.input_layernorm(h), batch, caches[i], i))
+            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h[batch.logits_indices])).float()

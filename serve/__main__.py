@@ -18,7 +18,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from actors.config import Config
+from actors.build import Role, check_tp
+from actors.config import Config, ConfigError
 from models.loader import ModelLoadError, load_config
 from serve import launch
 from serve.config import parse_args
@@ -41,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_config(cfg.model)
     except ModelLoadError as e:
         print(f"raypd: cannot serve {cfg.model}: {e} (`make model` builds the shipped model)", file=sys.stderr)
+        return 2
+    try:
+        roles: tuple[Role, ...] = ("colocated",) if cfg.colocated else ("prefill", "decode")
+        for role in roles:
+            check_tp(cfg, role)
+    except ConfigError as e:
+        print(f"raypd: {e}", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM only raise a flag: an exception thrown into the middle of a Ray call can
     # crash the process, so a stop during start-up waits for the start to finish. A second

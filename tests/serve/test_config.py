@@ -106,6 +106,14 @@ def test_cli_flags_with_vllm_names() -> None:
     assert load_config(["--num-kv-blocks", "7"], {}).num_kv_blocks == 7
 
 
+def test_tp_flags_per_role() -> None:
+    config = load_config(["--prefill-tp", "2", "--decode-tp", "1"], {})
+    assert (config.prefill, config.tp_size("prefill"), config.tp_size("decode")) == (1, 2, 1)
+    config = load_config(["-tp", "2", "--prefill", "2", "--decode-tp", "4"], {})
+    assert (config.prefill, config.tp_size("prefill"), config.tp_size("decode")) == (2, 2, 4)
+    assert load_config(["-tp", "2"], {}).tp_size("colocated") == 2
+
+
 def test_none_overrides_a_lower_layer() -> None:
     config = load_config(["--block-size", "none"], {"RAYPD_BLOCK_SIZE": "16", "RAYPD_API_KEY": ""})
     assert config.block_size is None and config.api_key is None
@@ -199,7 +207,7 @@ def test_batched_tokens_must_cover_running_requests() -> None:
         ([], {"RAYPD_PORT": "70000"}, "invalid port 70000: must be in 1..65535 (from RAYPD_PORT)"),
         ([], {"RAYPD_ASYNC_SCHEDULING": "maybe"}, "invalid async_scheduling 'maybe'"),
         (["--kv-cache-memory", "lots"], {}, "invalid kv_cache_memory 'lots': expected a byte count"),
-        (["-tp", "2"], {}, "invalid tensor_parallel_size 2: must be in 1..1 (from --tensor-parallel-size)"),
+        (["-tp", "65"], {}, "invalid tensor_parallel_size 65: must be in 1..64 (from --tensor-parallel-size)"),
     ],
 )
 def test_layer_errors_name_value_and_source(argv: list[str], env: dict[str, str], message: str) -> None:

@@ -1,0 +1,220 @@
+"""Tensor parallelism: which heads a rank keeps, its local config, and its weight slices.
+
+A rank runs the same model classes as a single process, built from a *local* config whose
+head and width counts are the rank's share (`shard_config`), so the model code and the
+cache layout need no TP branches: the local config alone sizes a rank's pages. Projections
+into heads are column-parallel (rows of the weight split), projections out of heads are
+row-parallel (columns split) and the models all-reduce each block's output before the
+residual add. Embeddings, norms and the LM head are replicated: every rank ends a step
+with the same logits.
+
+When TP exceeds a head count that cannot be split (attention KV heads, Gated DeltaNet key
+heads, Mamba's single B/C group), each rank keeps the heads its query (value) heads read:
+those are replicated, not split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.config import ConfigError, ModelConfig
+
+
+class TPGroup:
+    """This rank's place in its tensor-parallel group; `size == 1` is a plain single process."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, reduced in fp32 so bf16 partial sums round once, as the
+        single-process matmul does."""
+        if self.size == 1:
+            return x
+        y = x.float().contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+
+SINGLE = TPGroup()
+COLLECTIVE_TIMEOUT_S = 300
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the TP group (gloo on CPU, NCCL on CUDA); every rank calls it with the same method."""
+    if size == 1:
+        return SINGLE
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # A rank that died leaves the others waiting in an all-reduce: the timeout turns that
+    # into a failed step (and a failed engine, which is replaced) instead of a hang.
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
+    return TPGroup(rank, size, dist.group.WORLD)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """A rank's query heads and the KV heads they read (the KV range is shared by several
+    ranks when there are fewer KV heads than ranks)."""
+
+    q: range
+    kv: range
+
+
+def split_heads(num_heads: int, num_kv_heads: int, rank: int, size: int, what: str) -> HeadSplit:
+    if num_heads % size:
+        raise ConfigError(f"{what}: {num_heads} heads do not split over tensor parallel size {size}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ConfigError(
+            f"{what}: {num_kv_heads} KV heads neither split over nor replicate evenly to tensor parallel size {size}"
+        )
+    per = num_heads // size
+    group = num_heads // num_kv_heads
+    q = range(rank * per, (rank + 1) * per)
+    return HeadSplit(q, range(q.start // group, (q.stop - 1) // group + 1))
+
+
+def _even(n: int, rank: int, size: int, what: str) -> range:
+    if n % size:
+        raise ConfigError(f"{what} ({n}) does not split over tensor parallel size {size}")
+    per = n // size
+    return range(rank * per, (rank + 1) * per)
+
+
+def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
+    """The config of rank `rank`'s share of the model: what its modules and pages are sized by."""
+    if size == 1:
+        return cfg
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside tensor parallel size {size}")
+    local: dict[str, Any] = {"intermediate_size": len(_even(cfg.intermediate_size, rank, size, "intermediate_size"))}
+    if cfg.attention_layers:
+        heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size, "attention")
+        local |= {"num_attention_heads": len(heads.q), "num_key_value_heads": len(heads.kv)}
+    if cfg.mamba is not None:
+        m = cfg.mamba
+        mamba_heads = len(_even(m.num_heads, rank, size, "mamba_num_heads"))
+        if m.n_groups % size == 0:
+            mamba = dataclasses.replace(m, num_heads=mamba_heads, n_groups=m.n_groups // size)
+        elif m.n_groups == 1:
+            # One B/C group for all heads: every rank keeps it, and the gated norm, whose
+            # group spans every head, sums its squares across the ranks.
+            mamba = dataclasses.replace(m, num_heads=mamba_heads, norm_group_size=m.intermediate_size)
+        else:
+            raise ConfigError(f"mamba n_groups ({m.n_groups}) must be 1 or a multiple of tensor parallel size {size}")
+        local["mamba"] = mamba
+    if cfg.gated_delta_net is not None:
+        g = cfg.gated_delta_net
+        linear = split_heads(g.num_v_heads, g.num_k_heads, rank, size, "linear attention")
+        local["gated_delta_net"] = dataclasses.replace(g, num_v_heads=len(linear.q), num_k_heads=len(linear.kv))
+    return dataclasses.replace(cfg, **local)
+
+
+Rule = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rows(spans: list[range], dim: int = 0) -> Rule:
+    """Keep the given index ranges along `dim`, concatenated in order."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.narrow(dim, r.start, len(r)) for r in spans], dim=dim).contiguous()
+
+    return take
+
+
+def _scaled(r: range, width: int) -> range:
+    return range(r.start * width, r.stop * width)
+
+
+def _offset(r: range, by: int) -> range:
+    return range(r.start + by, r.stop + by)
+
+
+def _rules(cfg: ModelConfig, rank: int, size: int) -> dict[str, Rule]:
+    """Name suffix -> how that tensor is sliced for `rank`. Tensors no rule names are replicated."""
+    rank0_only: Rule = (lambda t: t) if rank == 0 else torch.zeros_like  # a row-parallel bias adds once
+    mlp = _even(cfg.intermediate_size, rank, size, "intermediate_size")
+    rules: dict[str, Rule] = {}
+    for name in ("up_proj", "gate_proj"):
+        rules[f"{name}.weight"] = rules[f"{name}.bias"] = _rows([mlp])
+    rules["down_proj.weight"], rules["down_proj.bias"] = _rows([mlp], 1), rank0_only
+    if cfg.attention_layers:
+        heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size, "attention")
+        d = cfg.head_dim
+        # Qwen3.5's q_proj yields [query | gate] per head: twice the rows per head.
+        q_width = 2 * d if cfg.architecture == "qwen3_5" else d
+        rules["q_proj.weight"] = rules["q_proj.bias"] = _rows([_scaled(heads.q, q_width)])
+        for name in ("k_proj", "v_proj"):
+            rules[f"{name}.weight"] = rules[f"{name}.bias"] = _rows([_scaled(heads.kv, d)])
+        rules["o_proj.weight"], rules["o_proj.bias"] = _rows([_scaled(heads.q, d)], 1), rank0_only
+    if cfg.mamba is not None:
+        rules |= _mamba_rules(cfg, rank, size, rank0_only)
+    if cfg.gated_delta_net is not None:
+        rules |= _gated_deltanet_rules(cfg, rank, size)
+    return rules
+
+
+def _mamba_rules(cfg: ModelConfig, rank: int, size: int, rank0_only: Rule) -> dict[str, Rule]:
+    """in_proj yields [z | x | B | C | dt]; the conv runs over [x | B | C]. x and z split by
+    head, B and C by group (or whole, for a single group), dt by head."""
+    m = cfg.mamba
+    assert m is not None
+    heads = _even(m.num_heads, rank, size, "mamba_num_heads")
+    groups = _even(m.n_groups, rank, size, "n_groups") if m.n_groups % size == 0 else range(m.n_groups)
+    inner, bc = _scaled(heads, m.head_dim), _scaled(groups, m.state_size)
+    xbc = [inner, _offset(bc, m.intermediate_size), _offset(bc, m.intermediate_size + m.n_groups * m.state_size)]
+    in_proj = _rows(
+        [inner, *(_offset(r, m.intermediate_size) for r in xbc), _offset(heads, m.intermediate_size + m.conv_dim)]
+    )
+    return {
+        "in_proj.weight": in_proj,
+        "in_proj.bias": in_proj,
+        "mixer.conv1d.weight": _rows(xbc),
+        "mixer.conv1d.bias": _rows(xbc),
+        "mixer.dt_bias": _rows([heads]),
+        "mixer.A_log": _rows([heads]),
+        "mixer.D": _rows([heads]),
+        "mixer.norm.weight": _rows([inner]),
+        "mixer.out_proj.weight": _rows([inner], 1),
+        "mixer.out_proj.bias": rank0_only,
+    }
+
+
+def _gated_deltanet_rules(cfg: ModelConfig, rank: int, size: int) -> dict[str, Rule]:
+    """in_proj_qkv yields [q | k | v] (the conv runs over the same): q and k by key head, v by
+    value head; z, a, b by value head."""
+    g = cfg.gated_delta_net
+    assert g is not None
+    heads = split_heads(g.num_v_heads, g.num_k_heads, rank, size, "linear attention")
+    keys, values = _scaled(heads.kv, g.head_k_dim), _scaled(heads.q, g.head_v_dim)
+    qkv = _rows([keys, _offset(keys, g.key_dim), _offset(values, 2 * g.key_dim)])
+    return {
+        "in_proj_qkv.weight": qkv,
+        "linear_attn.conv1d.weight": qkv,
+        "in_proj_z.weight": _rows([values]),
+        "in_proj_a.weight": _rows([heads.q]),
+        "in_proj_b.weight": _rows([heads.q]),
+        "linear_attn.dt_bias": _rows([heads.q]),
+        "linear_attn.A_log": _rows([heads.q]),
+        "linear_attn.out_proj.weight": _rows([values], 1),
+    }
+
+
+def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """The full checkpoint's tensors cut to rank `rank`'s share (`cfg` is the full config)."""
+    if size == 1:
+        return weights
+    rules = _rules(cfg, rank, size)
+    out = {}
+    for name, t in weights.items():
+        rule = next((r for suffix, r in rules.items() if name.endswith("." + suffix)), None)
+        out[name] = rule(t) if rule is not None else t
+    return out
