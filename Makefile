@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lint test test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
+.PHONY: setup lint test test-faults soak test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,16 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -m "not cluster and not multinode" tests
+
+# The HTTP fault suite alone (it is part of `make test`): engines killed mid-stream and in
+# flight, 100 clients dropping, overload at 3x; RAYPD_FAULT_REPORT=FILE collects a line per case.
+test-faults: setup
+	$(PY) -m pytest -q -m faults tests
+
+# Mixed traffic with engine kills, worker faults and 10% failed KV loads for 10 minutes (not
+# part of `make test`): requests ok / failed with a clear error / lost, leaked blocks, worker RSS.
+soak: setup
+	$(PY) -m bench.soak --minutes 10 --out bench/results/soak.json
 
 # `ray start` clusters on 127.0.0.1 with their own temp dirs and ports; `ray job submit` deploys
 # the service and load-tests it (3.3 to 7.3 min measured on a busy 2-core machine).

@@ -14,11 +14,28 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import InvalidRequestError, RequestOutput, SamplingParams
+from ray.exceptions import RayActorError
+
+from actors.messages import ENGINE_FAILURE, EngineFailedError, InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _POLL_TIMEOUT_S = 1.0
+
+
+class EngineLostError(RuntimeError):
+    """The engine serving a request is gone (its actor died, or its step loop failed) while the
+    request itself was fine: whatever it had produced stands, and the rest can be computed on
+    another engine."""
+
+
+def engine_lost(error: BaseException) -> bool:
+    """Whether a call's error means the engine is gone for good: its actor died, or its step loop
+    failed (it then raises EngineFailedError from every call; Ray keeps that as `cause`)."""
+    cause = getattr(error, "cause", None)
+    return isinstance(error, RayActorError | EngineLostError | EngineFailedError) or isinstance(
+        cause, EngineFailedError
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +98,8 @@ class EngineClient:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until one carries a finish reason. Leaving the
         iteration early (a client went away) aborts the request so its blocks are freed.
-        The last two arguments are the disaggregation hand-over (see EngineCore.add_request)."""
+        The last two arguments are the disaggregation hand-over (see EngineCore.add_request).
+        Raises EngineLostError when the engine goes away under the request."""
         req_id = req_id or f"req-{uuid.uuid4().hex}"
         if req_id in self._queues:
             raise InvalidRequestError(f"request id {req_id!r} is already in use", param="request_id")
@@ -97,6 +115,8 @@ class EngineClient:
             )
         except BaseException as e:
             self._queues.pop(req_id, None)
+            if isinstance(e, Exception) and engine_lost(e):
+                raise EngineLostError(f"engine unreachable: {e!r}") from e
             if not isinstance(e, Exception):
                 # Cancelled while the call was in flight: the engine may have the request (a
                 # remote call cannot be taken back), and nobody would ever abort it. If the
@@ -109,6 +129,8 @@ class EngineClient:
             while not finished:
                 out = await queue.get()
                 finished = out.finish_reason is not None
+                if out.finish_reason == "error" and (out.error or "").startswith(ENGINE_FAILURE):
+                    raise EngineLostError(out.error)
                 yield out
         finally:
             self._queues.pop(req_id, None)
@@ -126,10 +148,12 @@ class EngineClient:
         while self._queues:
             try:
                 outputs = await self.calls.get_outputs(_POLL_TIMEOUT_S)
-            except Exception as e:  # the engine is gone: end every stream with an error
-                log.exception("engine poll failed")
+            except Exception as e:  # the engine is gone: its requests end, to be resumed elsewhere
+                log.warning("engine poll failed: %r", e)
                 for req_id, queue in list(self._queues.items()):
-                    queue.put_nowait(RequestOutput(req_id, [], None, "error", error=f"engine unreachable: {e!r}"))
+                    queue.put_nowait(
+                        RequestOutput(req_id, [], None, "error", error=f"{ENGINE_FAILURE}unreachable: {e!r}")
+                    )
                 return
             for out in outputs:
                 q = self._queues.get(out.req_id)

@@ -36,10 +36,18 @@ class ConfigError(ValueError):
 
 
 def _f(
-    default: Any, doc: str, *, lo: int | None = None, hi: int | None = None, size: bool = False, secret: bool = False
+    default: Any,
+    doc: str,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    size: bool = False,
+    secret: bool = False,
+    listed: bool = False,
 ) -> Any:
-    """A field that carries its CLI help and checks, so each knob is described in one place."""
-    meta = {"doc": doc, "lo": lo, "hi": hi, "size": size, "secret": secret}
+    """A field that carries its CLI help and checks, so each knob is described in one place.
+    `listed`: a comma-separated list, whose flag may also be repeated."""
+    meta = {"doc": doc, "lo": lo, "hi": hi, "size": size, "secret": secret, "listed": listed}
     # A secret stays out of repr() so that logging the config cannot leak it.
     return dataclasses.field(default=default, metadata=meta, repr=not secret)
 
@@ -60,12 +68,23 @@ class Config:
     max_num_seqs: int = _f(64, "most requests running at once in one engine", lo=1)
     max_model_len: int | None = _f(None, "longest prompt + output; default: the model's limit", lo=1)
     max_waiting: int = _f(1024, "bound of the waiting queue; beyond it the API answers 503", lo=1)
+    max_inflight: int | None = _f(
+        None,
+        "engine requests (choices) the API server works on at once; beyond it 503; "
+        "default: what the engines hold, decode x (max_num_seqs + max_waiting)",
+        lo=1,
+    )
     async_scheduling: bool = _f(True, "schedule step N+1 while step N runs")
     enable_prefix_caching: bool = _f(True, "reuse the KV blocks of shared prompt prefixes")
     seed: int = _f(0, "random seed for sampling", lo=0)
     host: str = _f("127.0.0.1", "address the API server binds")
     port: int = _f(8000, "port the API server listens on", lo=1, hi=65535)
-    api_key: str | None = _f(None, "bearer token the API requires; default: no auth", secret=True)
+    api_key: str | None = _f(
+        None,
+        "bearer token(s) the API accepts: a comma-separated list, or the flag repeated; default: no auth",
+        secret=True,
+        listed=True,
+    )
     prefill: int = _f(
         0,
         "number of prefill engines; 0 = prefill and decode colocated (1 when --prefill-tp/--decode-tp is given)",
@@ -86,6 +105,9 @@ class Config:
     kv_load_failure_policy: FailurePolicy = _f(
         "recompute", "a failed KV load: recompute the prompt, or fail the request"
     )
+    migration_timeout_s: int = _f(
+        30, "seconds a request whose engine died may spend resuming on another one; 0 = fail it", lo=0
+    )
     kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
     debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")
     debug_kv_fail_percent: int = _f(0, "TESTS: percent of KV loads made to fail", lo=0, hi=100)
@@ -95,6 +117,9 @@ class Config:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _check(field, getattr(self, field.name))
+        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
+            # The value is a secret: the message must not quote it.
+            raise ConfigError("invalid api_key: each comma-separated key must be non-empty, without spaces", "api_key")
         # As in vLLM: every running request must be able to get a token in every step.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
@@ -120,6 +145,18 @@ class Config:
         """The tensor-parallel ranks of an engine of `role`."""
         own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
         return own or self.tensor_parallel_size
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted bearer tokens; none means the API is open."""
+        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key else ()
+
+    @property
+    def inflight_limit(self) -> int:
+        """`max_inflight`, or what the decode (or colocated) engines can hold running and waiting."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        return self.decode * (self.max_num_seqs + self.max_waiting)
 
     @property
     def resolved_device(self) -> str:
@@ -176,7 +213,8 @@ def _check(field: dataclasses.Field[Any], value: Any) -> None:
     name, spec, meta = field.name, SPECS[field.name], field.metadata
 
     def bad(why: str) -> ConfigError:
-        return ConfigError(f"invalid {name} {value!r}: {why}", name)
+        shown = "***" if meta["secret"] else repr(value)  # a secret never goes into an error or a log
+        return ConfigError(f"invalid {name} {shown}: {why}", name)
 
     if value is None:
         if not spec.optional:

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from actors.messages import (
+    ENGINE_FAILURE,
+    EngineFailedError,
     EngineOverloadedError,
     EngineStats,
     InvalidRequestError,
@@ -88,7 +90,7 @@ class EngineCore:
         prompt[:-1]. `kv_transfer_params` (decode engine): load that KV instead of computing it.
         """
         if self._failure is not None:
-            raise RuntimeError(f"engine failed: {self._failure!r}")
+            raise EngineFailedError(f"engine failed: {self._failure!r}")
         params = KVTransferParams.from_dict(kv_transfer_params) if kv_transfer_params else None
         try:
             sampling.validate()
@@ -149,7 +151,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Raises once the loop has failed, so health checks see a dead engine."""
         if self._failure is not None:
-            raise RuntimeError(f"engine failed: {self._failure!r}")
+            raise EngineFailedError(f"engine failed: {self._failure!r}")
         s = self.scheduler
         return EngineStats(
             len(s.running),
@@ -173,7 +175,7 @@ class EngineCore:
         """Until no request is left and every fenced block is back in the pool."""
         while self.scheduler.has_work() or self._in_flight:
             if self._failure is not None:
-                raise RuntimeError(f"engine failed: {self._failure!r}")
+                raise EngineFailedError(f"engine failed: {self._failure!r}")
             await asyncio.sleep(0.005)
 
     async def close(self) -> None:
@@ -248,7 +250,7 @@ class EngineCore:
                         "error",
                         out.num_prompt_tokens,
                         out.num_output_tokens,
-                        error=f"engine failure: {why}",
+                        error=ENGINE_FAILURE + why,
                     )
                 )
         self._publish(failed)

@@ -29,6 +29,15 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound; the client should retry later (HTTP 503)."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine's step loop failed: it serves nothing more until its supervisor replaces it."""
+
+
+# The error text of the requests an engine ends when its step loop fails: the ingress knows by
+# it that the request itself was fine and can be resumed on another engine.
+ENGINE_FAILURE = "engine failure: "
+
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 # top_k beyond the vocabulary means "off"; the sampler clamps it. The bound keeps it a C int.
@@ -53,6 +62,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # Draws already taken from this request's seeded random stream: a request resumed on
+    # another engine after its own was lost goes on with the stream where it stopped.
+    random_offset: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +90,7 @@ class SamplingParams:
                 self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
                 "must fit a signed 64-bit integer",
             ),
+            ("random_offset", _is_int(self.random_offset) and self.random_offset >= 0, "must be an integer >= 0"),
         )
         for name, ok, why in checks:
             if not ok:

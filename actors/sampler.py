@@ -31,9 +31,11 @@ class Sampler:
     generators handed out, so a worker started with the same seed and fed the same
     requests in the same order (every tensor-parallel rank is) draws the same tokens."""
 
-    def __init__(self, seed: int, device: torch.device | str) -> None:
+    def __init__(self, seed: int, device: torch.device | str, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the logits' width, which a draw's size is (see `generator_for`)."""
         self.seed = seed
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
         self._count = 0
 
     def generator_for(self, params: SamplingParams) -> torch.Generator | None:
@@ -46,6 +48,12 @@ class Sampler:
             self._count += 1
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        if params.random_offset:
+            if self.vocab_size is None:
+                raise ValueError("resuming a random stream needs the sampler's vocab_size")
+            # Exactly the draws `_draw` made for the tokens already sampled: one row of noise each.
+            for _ in range(params.random_offset):
+                torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=gen)
         return gen
 
     def sample(

@@ -111,7 +111,7 @@ class Worker:
         self._layout = plan_layout(self.config, cache_dtype, block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
-        self.sampler = Sampler(cfg.seed, self.device)
+        self.sampler = Sampler(cfg.seed, self.device, self.config.vocab_size)
         # Touched only by jobs on the stream; read it between steps, never during one.
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from actors.config import Config
 from actors.messages import InvalidRequestError, SamplingParams
 from api.errors import (
+    RETRY_AFTER_S,
     APIError,
     as_api_error,
     install_error_handlers,
@@ -31,7 +32,7 @@ from api.errors import (
 )
 from api.formats import ChatFormat, CompletionFormat, Format, usage_of
 from api.generation import Choice, Delta, start
-from api.limits import BodyLimit
+from api.limits import Admission, BodyLimit, Slot
 from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
@@ -89,6 +90,7 @@ class _Server:
         self.router = router
         self.model = model
         self.metrics = Metrics()
+        self.admission = Admission(cfg.inflight_limit)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name:
@@ -147,27 +149,56 @@ class _Server:
         self, request: Request, fmt: Format, choices: list[Choice], stream: bool, include_usage: bool
     ) -> Response:
         endpoint = request.url.path
+        slot = self._admit(len(choices))
+        streaming = False
         try:
-            deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
-        except asyncio.CancelledError:  # the client left before the first token; the streams aborted
-            self.metrics.requests.labels(endpoint, "aborted").inc()
-            raise
-        if stream:
-            events = self._events(endpoint, fmt, deltas, len(choices), include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            collected = await _unless_disconnected(request, _collect(deltas))
-        except asyncio.CancelledError:  # the server dropped the request: its client went away
-            self.metrics.requests.labels(endpoint, "aborted").inc()
-            raise
+            try:
+                deltas = await start(self.router, self.model, self.metrics, choices, fmt.req_id)
+            except asyncio.CancelledError:  # the client left before the first token; the streams aborted
+                self.metrics.requests.labels(endpoint, "aborted").inc()
+                raise
+            if stream:
+                events = self._events(endpoint, fmt, deltas, len(choices), include_usage, slot)
+                streaming = True  # the stream gives the slot back when it ends
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                collected = await _unless_disconnected(request, _collect(deltas))
+            except asyncio.CancelledError:  # the server dropped the request: its client went away
+                self.metrics.requests.labels(endpoint, "aborted").inc()
+                raise
+        finally:
+            if not streaming:
+                slot.release()
         # Errors are counted where they are answered (`on_error`).
         self.metrics.requests.labels(endpoint, "aborted" if collected is None else "success").inc()
         if collected is None:
             return Response(status_code=499)  # nobody is listening any more
         return _json(fmt.response(collected))
 
+    def _admit(self, num_choices: int) -> Slot:
+        if num_choices > self.admission.limit:
+            raise InvalidRequestError(
+                f"{num_choices} choices are more than the server works on at once ({self.admission.limit})", param="n"
+            )
+        slot = self.admission.try_acquire(num_choices)
+        if slot is None:
+            raise APIError(
+                503,
+                f"The server is overloaded: {self.admission.in_flight} requests in flight; retry later.",
+                type="service_unavailable_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        return slot
+
     async def _events(
-        self, endpoint: str, fmt: Format, deltas: AsyncGenerator[Delta, None], num_choices: int, include_usage: bool
+        self,
+        endpoint: str,
+        fmt: Format,
+        deltas: AsyncGenerator[Delta, None],
+        num_choices: int,
+        include_usage: bool,
+        slot: Slot,
     ) -> AsyncGenerator[str, None]:
         """Server-sent events; a client that goes away closes this generator, which aborts its requests."""
         outcome, error = "aborted", None
@@ -186,6 +217,7 @@ class _Server:
         except Exception as e:  # the response has started: the error goes into the stream
             error, outcome = as_api_error(e), "error"
         finally:
+            slot.release()
             self.metrics.requests.labels(endpoint, outcome).inc()
         if error is not None:
             yield _event(error.body())
@@ -197,10 +229,16 @@ class _Server:
             self.metrics.requests.labels(request.url.path, outcome).inc()
 
 
-def _auth(key: str) -> Any:
+def _auth(keys: tuple[str, ...]) -> Any:
+    accepted = [k.encode() for k in keys]
+
     async def check(authorization: str | None = Header(default=None)) -> None:
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        given = token.strip().encode()
+        # Every key is compared, each in constant time, so the time a refusal takes tells
+        # neither which key came close nor how much of one matched.
+        matches = [hmac.compare_digest(given, k) for k in accepted]
+        if scheme.lower() != "bearer" or not any(matches):
             raise unauthorized()
 
     return Depends(check)
@@ -227,7 +265,7 @@ def create_app(
     app.add_middleware(BodyLimit)
     app.state.server = server
     install_error_handlers(app, server.on_error)
-    v1 = APIRouter(prefix="/v1", dependencies=[_auth(cfg.api_key)] if cfg.api_key else [])
+    v1 = APIRouter(prefix="/v1", dependencies=[_auth(cfg.api_keys)] if cfg.api_keys else [])
 
     @v1.get("/models")
     async def models() -> Response:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException
 
+from actors.client import EngineLostError
 from actors.messages import EngineOverloadedError, InvalidRequestError
 from api.text import TemplateError
 
@@ -77,7 +78,7 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, TemplateError):
         return APIError(400, str(exc), param="messages")
-    if isinstance(exc, RayActorError):  # an engine died; its supervisor is bringing it back
+    if isinstance(exc, RayActorError | EngineLostError):  # an engine died; its supervisor is bringing it back
         return APIError(
             503,
             "An engine is restarting; retry shortly.",

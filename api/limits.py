@@ -1,4 +1,4 @@
-"""A bound on request bodies, enforced while they are read.
+"""Bounds at the ingress: request bodies, enforced while they are read, and requests in flight.
 
 The schema bounds each field, but a body is read and parsed whole before any field is
 checked: a gigabyte of JSON would first be held in the ingress replica's memory, then parsed
@@ -45,3 +45,36 @@ class BodyLimit:
 
     async def _refuse(self) -> Message:
         raise HTTPException(413, f"The request body is larger than {self.max_bytes} bytes.")
+
+
+class Admission:
+    """A bound on the engine requests (choices) the server works on at once, counted at the
+    ingress: past it a request is refused at once with 503, before it reaches an engine or is
+    queued anywhere, so a burst costs the server nothing that grows with the burst. The engines' own
+    waiting queues (`max_waiting`) are a second bound behind this one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def try_acquire(self, n: int) -> Slot | None:
+        """A slot for `n` engine requests, or None when they do not fit."""
+        if self.in_flight + n > self.limit:
+            return None
+        self.in_flight += n
+        return Slot(self, n)
+
+
+class Slot:
+    """Admitted engine requests; `release` gives them back once, however often it is called,
+    since a response can end on several paths (finished, failed, client gone)."""
+
+    __slots__ = ("_admission", "_n")
+
+    def __init__(self, admission: Admission, n: int) -> None:
+        self._admission = admission
+        self._n = n
+
+    def release(self) -> None:
+        self._admission.in_flight -= self._n
+        self._n = 0

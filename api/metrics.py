@@ -33,6 +33,7 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: dict[str, EngineStats] = {}
+        self.resumed = 0  # the router's count at the scrape
 
     def collect(self) -> Iterator[Metric]:
         families = (
@@ -78,6 +79,9 @@ class _EngineCollector(Collector):
             for engine, stats in self.snapshot.items():
                 metric.add_metric([engine], value(stats))
             yield metric
+        yield CounterMetricFamily(
+            "raypd_requests_resumed", "Engine requests resumed on another engine after theirs was lost.", self.resumed
+        )
         yield from self._kv_transfers()
         yield from self._phases()
 
@@ -169,6 +173,7 @@ class Metrics:
 
     async def render(self, router: Router) -> bytes:
         self._engines.snapshot = await router.stats(STATS_TIMEOUT_S)
+        self._engines.resumed = router.num_resumed
         return generate_latest(self.registry)
 
 

@@ -5,6 +5,7 @@ touching them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -12,8 +13,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from actors.client import ActorSlot, EngineCalls, EngineClient
+from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
 from actors.messages import EngineStats, RequestOutput, SamplingParams
+from api.migration import MigrationPolicy, resumable
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +55,28 @@ class Engine:
 
 
 class Router(ABC):
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    def __init__(self, engines: Sequence[Engine], migration: MigrationPolicy) -> None:
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
+        self.migration = migration
+        self.num_resumed = 0  # tries after a lost engine (`raypd_requests_resumed_total`)
 
-    @abstractmethod
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs until one carries a finish reason; leaving early aborts it."""
+        """The request's outputs until one carries a finish reason; leaving early aborts it. A
+        request whose engine is lost goes on on another one (api/migration.py)."""
+        return resumable(self._attempt, prompt_ids, sampling, req_id, self.migration, self._resumed)
+
+    def _resumed(self) -> None:
+        self.num_resumed += 1
+
+    @abstractmethod
+    def _attempt(
+        self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """One try on the engine(s) the router picks; raises EngineLostError if one goes away."""
 
     async def stats(self, timeout_s: float) -> dict[str, EngineStats]:
         """Each engine's stats; one that does not answer within `timeout_s` is left out, so a
@@ -84,11 +98,11 @@ class Router(ABC):
 class RoundRobinRouter(Router):
     """Colocated engines, each taking every n-th request."""
 
-    def __init__(self, engines: Sequence[Engine]) -> None:
-        super().__init__(engines)
+    def __init__(self, engines: Sequence[Engine], migration: MigrationPolicy | None = None) -> None:
+        super().__init__(engines, migration or MigrationPolicy())
         self._turn = itertools.cycle(self.engines)
 
-    def generate(
+    def _attempt(
         self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         return next(self._turn).client.generate(prompt_ids, sampling, req_id)
@@ -99,14 +113,16 @@ class PDRouter(Router):
     lives; a decode engine loads that KV over NIXL and streams the tokens. One request id
     across both, round robin over each kind."""
 
-    def __init__(self, prefill: Sequence[Engine], decode: Sequence[Engine]) -> None:
+    def __init__(
+        self, prefill: Sequence[Engine], decode: Sequence[Engine], migration: MigrationPolicy | None = None
+    ) -> None:
         if not prefill or not decode:
             raise ValueError("PD serving needs at least one prefill and one decode engine")
-        super().__init__([*prefill, *decode])
+        super().__init__([*prefill, *decode], migration or MigrationPolicy())
         self._prefill = itertools.cycle(prefill)
         self._decode = itertools.cycle(decode)
 
-    async def generate(
+    async def _attempt(
         self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         prefill = next(self._prefill).client
@@ -120,8 +136,16 @@ class PDRouter(Router):
         # the prefill side it never will (an abort, a refusal, a local hit), or the lease ends.
         # Freeing them from here could race a READ the decode engine has already posted.
         decode = next(self._decode).client
-        async with aclosing(
-            decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
-        ) as stream:
-            async for out in stream:
-                yield out
+        try:
+            async with aclosing(
+                decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
+            ) as stream:
+                async for out in stream:
+                    yield out
+        except EngineLostError:
+            # Unless the decode engine is gone: a READ it posted can still only read the blocks,
+            # for a request that is lost anyway, so they are freed now instead of at the lease's
+            # end (an abort of blocks already read is a no-op). A dead prefill engine needs none.
+            with contextlib.suppress(Exception):
+                await prefill.abort(req_id)
+            raise

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parse_serve_args(argv, extra=_flags)
     base: Config = args.config
+    key = base.api_keys[0] if base.api_keys else None  # any one of the server's keys will do
     lines = (Path(base.model) / "eval.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
@@ -142,13 +143,13 @@ def _main(argv: list[str] | None) -> int:
 
     def spec(model: str) -> LoadSpec:
         return LoadSpec(
-            model, prompts, args.max_tokens, args.concurrency, args.max_duration_s, args.request_timeout_s, base.api_key
+            model, prompts, args.max_tokens, args.concurrency, args.max_duration_s, args.request_timeout_s, key
         )
 
     runs, reports = [], []
     if args.url:
         url = args.url.rstrip("/")
-        report, samples, wall = measure(url, spec(_served_model(url, base.api_key)), slo, "server")
+        report, samples, wall = measure(url, spec(_served_model(url, key)), slo, "server")
         reports.append(report)
         runs.append(("server", samples, wall))
     else:

@@ -12,13 +12,18 @@ from typing import Any
 import ray
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
 from actors.config import Config
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
+from api.errors import RETRY_AFTER_S
+from api.migration import MigrationPolicy
 from serve.engines import EngineSupervisor
 
 DEPLOYMENT_NAME = "raypd-api"
+_CONTROL_HEADROOM = 64  # requests beyond the admitted ones: health checks, metrics, refusals
+_SERVE_QUEUE = 256
 
 
 class Ingress:
@@ -30,10 +35,11 @@ class Ingress:
         def engines(role: str) -> list[Engine]:
             return [by_name[name] for name in engine_names[role]]
 
+        migration = MigrationPolicy(timeout_s=cfg.migration_timeout_s)
         router: Router = (
-            PDRouter(engines("prefill"), engines("decode"))
+            PDRouter(engines("prefill"), engines("decode"), migration)
             if engine_names["prefill"]
-            else RoundRobinRouter(engines("decode"))
+            else RoundRobinRouter(engines("decode"), migration)
         )
         supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
         self._app = create_app(cfg, router, background=supervisor.run)
@@ -44,13 +50,15 @@ class Ingress:
 
 def build_app(cfg: Config, engine_names: dict[str, list[str]], namespace: str) -> Application:
     """`engine_names`: "prefill" and "decode" lists (no prefill names: colocated engines)."""
-    # Serve queues requests beyond max_ongoing_requests in front of the replica; allow what the
-    # engines can hold so that their own bound (answered with 503) is the one clients meet.
-    capacity = len(engine_names["decode"]) * (cfg.max_num_seqs + cfg.max_waiting) + 64
+    # Serve queues requests beyond max_ongoing_requests in front of the replica: allow more than
+    # the app admits (it answers 503 in OpenAI's shape past `inflight_limit`), with room for
+    # /health and /metrics; Serve's own queue is bounded too, and answers 503 with Retry-After.
     deployment = serve.deployment(
         serve.ingress()(Ingress),
         name=DEPLOYMENT_NAME,
         ray_actor_options={"num_cpus": 0},  # it routes, it does not compute
-        max_ongoing_requests=capacity,
+        max_ongoing_requests=cfg.inflight_limit + _CONTROL_HEADROOM,
+        max_queued_requests=_SERVE_QUEUE,
+        backpressure_config=BackpressureConfig(retry_after_s=RETRY_AFTER_S),
     )
     return deployment.bind(cfg.to_dict(), engine_names, namespace)

@@ -85,6 +85,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": doc.replace("%", "%%")}
         if SPECS[name].kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.metadata["listed"]:
+            kwargs["action"] = "append"  # `--api-key A --api-key B` is `--api-key A,B`
+            kwargs["metavar"] = _metavar(name)
         else:  # kept as text and parsed by `_parse` like the other layers, so that all report errors alike
             kwargs["metavar"] = _metavar(name)
         parser.add_argument(*_flags(name), **kwargs)
@@ -125,7 +128,10 @@ def config_from(ns: argparse.Namespace, env: Mapping[str, str] | None = None) ->
                 known = [ENV_PREFIX + n.upper() for n in FIELDS]
                 raise ConfigError(unknown_name(f"unknown environment variable {var}", var, known))
             layers[name] = (text, var)
-    layers.update((name, (getattr(ns, name), _flags(name)[0])) for name in FIELDS if hasattr(ns, name))
+    for name in FIELDS:
+        if hasattr(ns, name):
+            value = getattr(ns, name)
+            layers[name] = (",".join(value) if isinstance(value, list) else value, _flags(name)[0])
     try:
         return Config(**{name: _parse(name, value) for name, (value, _) in layers.items()})
     except ConfigError as e:

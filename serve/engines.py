@@ -5,8 +5,8 @@ Engines are detached named actors, so whoever watches them (the API ingress) can
 under the same name, and they do not die with the process that happened to create them. A
 replacement is a fresh scheduler, worker, cache and NIXL agent: a decode engine gets every
 prefill worker's agent again, a prefill engine's new agent goes to every decode engine. The
-requests that were in flight on the dead engine end with an error where they are streamed
-(`EngineClient`); nothing is retried here.
+requests that were in flight on the dead engine are resumed by the router on another engine
+(api/migration.py); nothing is retried here.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from actors.build import Role
+from actors.client import engine_lost
 from actors.config import Config
 from actors.engine_actor import RemoteEngine
 from serve.placement import engine_options, worker_options
@@ -88,14 +88,6 @@ def stop_engines(names: list[str], timeout_s: float) -> None:
             log.debug("engine %s could not be killed", name, exc_info=True)
 
 
-def failed(error: BaseException) -> bool:
-    """Whether a call's error means the engine is gone for good: its actor died, or its step
-    loop failed (it then raises from every `stats`)."""
-    if isinstance(error, RayActorError):
-        return True
-    return isinstance(error, RayTaskError) and "engine failed" in str(error.cause)
-
-
 class EngineSupervisor:
     """Looks at every engine each `interval_s` and replaces the failed ones. `on_replaced`
     gets the new handle, so the router's clients reach the new actor."""
@@ -132,7 +124,7 @@ class EngineSupervisor:
         except TimeoutError:
             return False  # busy is not dead
         except Exception as e:
-            return failed(e)
+            return engine_lost(e)
         return False
 
     async def replace(self, name: str) -> None:

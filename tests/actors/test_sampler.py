@@ -3,6 +3,8 @@ request's draws depend only on its own seed and logits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,6 +77,20 @@ def test_seeded_stream_reproduces_over_many_draws():
         runs.append([sampler.sample(logits, [params], [gen]).token_ids[0] for _ in range(30)])
     assert runs[0] == runs[1]
     assert len(set(runs[0])) > 1  # the stream advances between draws
+
+
+def test_a_resumed_stream_goes_on_where_it_stopped():
+    """A request resumed elsewhere after k tokens (api/migration.py) draws what the k+1-th and
+    later draws of an undisturbed stream would have been, with top-k/top-p filtering too."""
+    logits = _logits(1, seed=8)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11)
+    sampler = Sampler(0, "cpu", V)
+    gen = sampler.generator_for(params)
+    whole = [sampler.sample(logits, [params], [gen]).token_ids[0] for _ in range(20)]
+    resumed = dataclasses.replace(params, random_offset=12)
+    gen = sampler.generator_for(resumed)
+    rest = [sampler.sample(logits, [resumed], [gen]).token_ids[0] for _ in range(8)]
+    assert rest == whole[12:]
 
 
 def test_unseeded_requests_get_distinct_streams_from_the_worker_seed():

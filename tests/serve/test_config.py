@@ -183,7 +183,6 @@ def test_memory_size_in_every_layer(tmp_path: Path) -> None:
         ("port", "8000"),
         ("model", ""),
         ("host", None),
-        ("api_key", ""),
         ("served_model_name", 7),
     ],
 )

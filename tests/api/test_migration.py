@@ -1,0 +1,99 @@
+"""Resuming a request whose engine is lost (api/migration.py): the bookkeeping, and two
+in-process colocated engines of which one fails under a running request (its worker is
+closed, so its step loop fails as when a worker process dies)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.build import build_local_engine
+from actors.client import EngineLostError
+from actors.messages import RequestOutput, SamplingParams
+from api import Engine, RoundRobinRouter
+from api.migration import MigrationPolicy, Progress
+from tests.api.test_app_local import config
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def test_progress_turns_sent_tokens_into_prompt_and_keeps_the_client_counts():
+    p = Progress(PROMPT, SamplingParams(max_tokens=10, temperature=0.0, stop=("x",)))
+    assert p.resume() == (PROMPT, p.sampling)
+    first = p.account(RequestOutput("r", [7, 8], None, None, 6, 2), "r")
+    assert first.num_output_tokens == 2
+    prompt, sampling = p.resume()
+    assert prompt == [*PROMPT, 7, 8]
+    assert sampling.max_tokens == 8 and sampling.stop == ("x",) and sampling.temperature == 0.0
+    assert sampling.random_offset == 0  # greedy: no random stream to advance
+    last = p.account(RequestOutput("r-r1", [9], None, "length", 8, 8), "r")
+    assert (last.req_id, last.num_prompt_tokens, last.num_output_tokens) == ("r", 6, 10)
+    assert p.sent == [7, 8, 9]
+    seeded = Progress(PROMPT, SamplingParams(max_tokens=10, temperature=1.0, seed=3))
+    seeded.account(RequestOutput("r", [7, 8], None, None, 6, 2), "r")
+    seeded.resume()
+    assert seeded.resume()[1].random_offset == 2
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=21, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_exact(checkpoint, sampling):
+    cfg = config(checkpoint)
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput], int]:
+        (core0, worker0), (core1, worker1) = build_local_engine(cfg), build_local_engine(cfg)
+        router = RoundRobinRouter([Engine.local("e0", core0), Engine.local("e1", core1)])
+        try:
+            whole = [o async for o in router.generate(PROMPT, sampling, "undisturbed")]  # on e0
+            cut: list[RequestOutput] = []
+            async for out in router.generate(PROMPT, sampling, "cut"):  # on e1
+                cut.append(out)
+                if len(cut) == 3:
+                    worker1.close()  # e1's next step fails: its loop ends every request
+            return whole, cut, router.num_resumed
+        finally:
+            await router.close()
+            await core0.close()
+            await core1.close()
+            worker0.close()
+
+    whole, cut, resumed = asyncio.run(main())
+    assert resumed >= 1
+    assert _tokens(cut) == _tokens(whole) and len(_tokens(cut)) == 48
+    assert cut[-1].finish_reason == "length" and cut[-1].num_output_tokens == 48
+    assert cut[-1].num_prompt_tokens == len(PROMPT) and {o.req_id for o in cut} == {"cut"}
+
+
+def test_without_migration_the_lost_engine_is_the_clients_error(checkpoint):
+    cfg = config(checkpoint)
+
+    async def main() -> list[RequestOutput]:
+        core, worker = build_local_engine(cfg)
+        router = RoundRobinRouter([Engine.local("e0", core)], MigrationPolicy(timeout_s=0))
+        got: list[RequestOutput] = []
+        try:
+            async for out in router.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0), "r"):
+                got.append(out)
+                worker.close()
+        finally:
+            await router.close()
+            await core.close()
+        return got
+
+    try:
+        asyncio.run(main())
+    except EngineLostError as e:
+        assert "engine failure" in str(e)
+    else:
+        raise AssertionError("the request went on without an engine")
