@@ -8,6 +8,7 @@ poller task fans them out to per-request queues. The same client drives an in-pr
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -61,15 +62,24 @@ class EngineCalls:
         """An `EngineActor`, reached through whatever handle `slot` holds at call time."""
 
         async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
-            await slot.handle.add_request.remote(req_id, ids, sp, **kw)
+            await _unowned(slot.handle.add_request.remote, req_id, ids, sp, **kw)
 
         async def abort(req_id: str) -> None:
-            await slot.handle.abort.remote(req_id)
+            await _unowned(slot.handle.abort.remote, req_id)
 
         async def get(timeout: float) -> list[RequestOutput]:
-            return await slot.handle.get_outputs.remote(timeout)
+            return await _unowned(slot.handle.get_outputs.remote, timeout)
 
         return cls(add, abort, get)
+
+
+def _unowned(submit: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Submit a Ray call outside the calling task's context. Ray cancels the calls a task made
+    when the task is cancelled (Serve cancels a request's task when its client leaves, see
+    ray-project/ray#52476), and it knows a call's parent from the context it was made in:
+    the shared output poller, or an abort made on the way out, must not die with whichever
+    request happened to submit it. A request that leaves is aborted explicitly instead."""
+    return contextvars.Context().run(submit, *args, **kwargs)
 
 
 class ActorSlot:

@@ -263,6 +263,24 @@ def test_dropped_stream_frees_its_blocks(server, http):
     assert metric(http, "raypd_requests_total", outcome="aborted") == aborted + 1
 
 
+def test_a_dropped_stream_leaves_the_others_on_its_engine_alone(server, http):
+    """Serve cancels a dropped request's task and, with it, the Ray calls that task made: the
+    engine's shared output poller must not be one of them, or every other request on the
+    engine would take it for lost and be resumed elsewhere."""
+    resumed = metric(http, "raypd_requests_resumed_total")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as first:
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # its poller is running now
+        with http.stream("POST", "/v1/completions", json=body) as second:
+            events = (line for line in second.iter_lines() if line.startswith("data: "))
+            next(events)
+            first.close()  # the first client leaves; the second reads to the end
+            rest = list(events)
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert metric(http, "raypd_requests_resumed_total") == resumed
+
+
 def test_dropped_request_frees_its_blocks(server, http):
     aborted = metric(http, "raypd_requests_total", outcome="aborted")
     steps = engine_stats(server).extra["steps"]
