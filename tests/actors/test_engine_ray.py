@@ -1,4 +1,5 @@
-"""The engine as Ray actors on a local Ray cluster: same outputs as in-process, blocks back."""
+"""The engine as Ray actors on a local Ray cluster, with one worker actor or two tensor-parallel
+ones over gloo: same outputs as in-process, every block back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ray
 from actors.client import ActorSlot, EngineCalls, EngineClient
 from actors.config import Config
 from actors.engine_actor import RemoteEngine
+from actors.messages import EngineStats
 from tests.actors.test_engine import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 
@@ -21,21 +23,13 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
-    save_hf_model("nemotron_h", tmp_path)
-    cfg = Config(
-        model=str(tmp_path),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_kv_blocks=300,
-        max_num_seqs=32,
-        max_num_batched_tokens=128,
-        async_scheduling=async_scheduling,
-        worker_threads=1,
-    )
-    reqs = workload(32, seed=3)
+def config(path, **kw) -> Config:
+    base = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=300, worker_threads=1)
+    return Config(model=str(path), **(base | kw))
+
+
+def serve_remote(cfg: Config, reqs: list[tuple[list[int], int]]) -> tuple[list[list[int]], EngineStats]:
+    """Every request's tokens from a `RemoteEngine`, and its stats once idle."""
     engine = RemoteEngine.remote(cfg.to_dict())
     ray.get(engine.ready.remote())
 
@@ -45,8 +39,39 @@ def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
         await client.close()
         return got
 
-    got = asyncio.run(main())
-    stats = ray.get(engine.wait_idle.remote())
-    ray.get(engine.shutdown.remote())
+    try:
+        return asyncio.run(main()), ray.get(engine.wait_idle.remote())
+    finally:
+        ray.get(engine.shutdown.remote())
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
+    save_hf_model("nemotron_h", tmp_path)
+    cfg = config(tmp_path, max_num_seqs=32, max_num_batched_tokens=128, async_scheduling=async_scheduling)
+    reqs = workload(32, seed=3)
+    got, stats = serve_remote(cfg, reqs)
     assert got == alone(str(tmp_path), reqs)
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("nemotron_h", {"n_groups": 1}), ("qwen3", {"num_key_value_heads": 1})],
+    ids=["nemotron_h-1group", "qwen3-1kv"],
+)
+def test_tp2_engine_equals_alone(ray_cluster, tmp_path, kind, overrides):
+    save_hf_model(kind, tmp_path, **overrides)
+    cfg = config(tmp_path, max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=True, tensor_parallel_size=2)
+    reqs = workload(12, seed=5)
+    got, stats = serve_remote(cfg, reqs)
+    assert got == alone(str(tmp_path), reqs)
+    assert stats.num_blocks_free == stats.num_blocks_total
+    assert stats.extra["steps"] > 0
+
+
+def test_tp_the_heads_cannot_split_is_a_config_error(ray_cluster, tmp_path):
+    save_hf_model("qwen3", tmp_path)
+    cfg = Config(model=str(tmp_path), device="cpu", num_kv_blocks=64, tensor_parallel_size=3)
+    with pytest.raises(ray.exceptions.RayActorError, match="invalid tensor_parallel_size 3"):
+        ray.get(RemoteEngine.remote(cfg.to_dict()).ready.remote())
