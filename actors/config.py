@@ -108,9 +108,22 @@ class Config:
     migration_timeout_s: int = _f(
         30, "seconds a request whose engine died may spend resuming on another one; 0 = fail it", lo=0
     )
-    kv_lease_s: int = _f(60, "seconds a prefill engine keeps a request's KV for the decode side", lo=1)
+    kv_lease_s: int = _f(
+        10, "seconds a prefill engine keeps a request's KV unread; the decode side renews it while waiting", lo=1
+    )
+    kv_verify: bool = _f(
+        False,
+        "checksum each handed-over KV page (prefill) and check it after the READ (decode); a mismatch fails the load",
+    )
+    kv_transfer_timeout_s: int = _f(30, "seconds a KV READ may take; then it fails (the failure policy applies)", lo=1)
     debug_zero_loaded_blocks: bool = _f(False, "DEBUG: zero blocks a remote KV load fills (reintroduces the race)")
     debug_kv_fail_percent: int = _f(0, "TESTS: percent of KV loads made to fail", lo=0, hi=100)
+    debug_kv_delay_ms: int = _f(
+        0, "TESTS: hold each KV READ back this long; past --kv-transfer-timeout-s it hangs", lo=0
+    )
+    debug_kv_corrupt_percent: int = _f(
+        0, "TESTS: percent of landed KV loads whose first block is corrupted (caught by --kv-verify)", lo=0, hi=100
+    )
     debug_stream_delay_ms: int = _f(0, "TESTS: delay before each compute-stream job, to make it lag", lo=0)
     log_level: LogLevel = _f("INFO", "logging level")
 

@@ -18,7 +18,11 @@ from actors.build import Role, check_tp, disagg_config, make_engine, worker_conf
 from actors.config import Config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
 from actors.worker_actor import RemoteWorker
+from kv.lease import LeaseRenewer
 from kv.nixl_worker import PeerInfo
+
+# Heartbeats per lease: a renewal may be lost or late three times before the lease runs out.
+_BEATS_PER_LEASE = 4
 
 
 class EngineActor:
@@ -55,6 +59,8 @@ class EngineActor:
             raise RuntimeError(f"the ranks of {engine_id} planned different caches: {layouts}")
         disagg = disagg_config(self.config, role, engine_id, agent_name)
         self.core = make_engine(self.config, layouts[0], [w.execute_model.remote for w in self.workers], disagg)
+        self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
+        self._renewer: asyncio.Task[None] | None = None
 
     async def ready(self) -> bool:
         return True
@@ -65,6 +71,34 @@ class EngineActor:
 
     async def add_nixl_peers(self, peers: list[PeerInfo]) -> None:
         await asyncio.gather(*(w.add_nixl_peer.remote(p) for w in self.workers for p in peers))
+
+    async def forget_nixl_engine(self, engine_id: str) -> list[str]:
+        """Drop every NIXL agent of a prefill engine that died (serve/engines.py calls it before
+        wiring the replacement): its loads in flight fail, and its agents are never read again."""
+        removed = await asyncio.gather(*(w.remove_nixl_peers.remote(engine_id) for w in self.workers))
+        return [name for names in removed for name in names]
+
+    async def nixl_peer_names(self) -> list[str]:
+        """The NIXL agents this engine's workers can read from."""
+        names = await asyncio.gather(*(w.nixl_peer_names.remote() for w in self.workers))
+        return sorted({n for ns in names for n in ns})
+
+    async def set_lease_peers(self, engines: dict[str, Any]) -> None:
+        """Decode side: the prefill engines (id -> actor handle) whose leases this engine renews
+        while its requests wait for their KV (kv/lease.py). A replaced engine's new handle
+        replaces the old one under the same id."""
+        self._lease_peers.update(engines)
+        if self._renewer is None:
+            lease = self.config.kv_lease_s
+            renewer = LeaseRenewer(self.core.scheduler, self._renew_at, lease / _BEATS_PER_LEASE, timeout_s=lease)
+            self._renewer = asyncio.get_running_loop().create_task(renewer.run())
+
+    async def _renew_at(self, engine_id: str, req_ids: list[str]) -> dict[str, float]:
+        return await self._lease_peers[engine_id].renew_leases.remote(req_ids)
+
+    async def renew_leases(self, req_ids: list[str]) -> dict[str, float]:
+        """Prefill side: a decode engine's heartbeat; the new deadline of each lease still held."""
+        return self.core.scheduler.renew_leases(req_ids)
 
     async def add_request(
         self,
@@ -99,6 +133,8 @@ class EngineActor:
         return self.core.stats()
 
     async def shutdown(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         await self.core.close()
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
 

@@ -146,6 +146,10 @@ class ModelRunnerOutput:
     # Requests this worker could not run (a bad message, a failed forward or sampling): each
     # fails alone with the reason; the rest of the step ran.
     failed_reqs: dict[str, str] = field(default_factory=dict)
+    # A prefill engine under --kv-verify: per request handed over in this step, per prefill
+    # rank (a worker gives its own), per decode rank, per cache group, one checksum per block,
+    # taken right after the forward (kv/verify.py; the `Checksums` of kv/transfer_params.py).
+    kv_checksums: dict[str, list[list[list[list[int]]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

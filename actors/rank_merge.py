@@ -59,6 +59,10 @@ class RankMerger:
             finished_recving=recving,
             failed_loads=failed_loads,
             failed_reqs=failed_reqs,
+            # --kv-verify: each prefill rank checksums its own shard; the table lists them by rank.
+            kv_checksums={
+                req_id: [t for r in results for t in r.kv_checksums.get(req_id, [])] for req_id in first.kv_checksums
+            },
         )
 
     def _ended_loads(self, results: Sequence[ModelRunnerOutput]) -> tuple[list[str], dict[str, list[int]]]:

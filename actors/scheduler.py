@@ -349,7 +349,7 @@ class Scheduler(DisaggScheduling):
                 continue  # finished while this step ran: the token is surplus
             req.num_placeholders -= 1
             if req.do_remote_decode:
-                outputs.append(self._hand_over(req))
+                outputs.append(self._hand_over(req, result.kv_checksums.get(req_id)))
                 continue
             req.output_token_ids.append(token)
             if req.sampling.logprobs and req_id in result.logprobs:

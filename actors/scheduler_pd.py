@@ -11,8 +11,10 @@ loads and leases; this half keeps the requests and their blocks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 class DisaggConfig:
     role: Literal["prefill", "decode"]
     engine_id: str
-    lease_s: float = 60.0
+    lease_s: float = 10.0
     # Debug only: zero the blocks a remote load covers, as before the fix (docs/design.md §8, I6).
     debug_zero_loaded_blocks: bool = False
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -53,6 +55,8 @@ class DisaggScheduling:
     _outputs: list[RequestOutput]
     num_failed_loads: int
     num_expired_leases: int
+    waiting: deque[Request]
+    requests: dict[str, Request]
 
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         raise NotImplementedError
@@ -119,19 +123,47 @@ class DisaggScheduling:
             req.req_id, self._params(req), self.kv.get_block_ids(req.req_id), hit, external
         )
 
-    def _hand_over(self, req: Request) -> RequestOutput:
-        """Prefill side: the prompt is in; keep the blocks for the decode side to read."""
+    def _hand_over(self, req: Request, checksums: list[list[list[list[int]]]] | None = None) -> RequestOutput:
+        """Prefill side: the prompt is in; keep the blocks for the decode side to read.
+        `checksums` (--kv-verify): [prefill rank][decode rank][group][block]."""
+        block_ids = self.kv.get_block_ids(req.req_id)
+        shape = [len(b) for b in block_ids]
+        if checksums is not None and any([len(g) for g in t] != shape for row in checksums for t in row):
+            raise RuntimeError(f"request {req.req_id}: the worker checksummed other blocks than the scheduler's")
         params = self.link.request_finished(
-            req.req_id,
-            self.pd.engine_id,
-            self.pd.agent_name,
-            self.kv.get_block_ids(req.req_id),
-            req.num_prompt_tokens,
+            req.req_id, self.pd.engine_id, self.pd.agent_name, block_ids, req.num_prompt_tokens, checksums
         )
         self._held[req.req_id] = req.last_step
         self._finish(req, "length", keep_blocks=True)
         out = self._output(req)
         return dataclasses.replace(out, kv_transfer_params=params.to_dict())
+
+    def leases_to_renew(self) -> dict[str, dict[str, str]]:
+        """Decode side: the leases a request still needs, by prefill engine: its request id
+        there -> ours. A request needs its lease from arrival until its load has ended."""
+        wanted: dict[str, dict[str, str]] = {}
+        for req in itertools.chain(self.waiting, self.loading.values()):
+            params = req.kv_transfer_params
+            if params is not None and not req.load_done and not req.finished:
+                wanted.setdefault(params.remote_engine_id, {})[params.request_id] = req.req_id
+        return wanted
+
+    def lease_renewed(self, deadlines: Mapping[str, float]) -> None:
+        """Decode side: deadlines a prefill engine granted (docs/design.md §12); later loads and
+        the check after a READ (`lease_ok`) go by them."""
+        for req_id, deadline in deadlines.items():
+            req = self.requests.get(req_id)
+            params = None if req is None or req.load_done else req.kv_transfer_params
+            if req is not None and params is not None and deadline > params.expires_at:
+                req.kv_transfer_params = dataclasses.replace(params, expires_at=deadline)
+
+    def renew_leases(self, req_ids: list[str]) -> dict[str, float]:
+        """Prefill side: extend the leases still held; the granted deadlines."""
+        granted = {}
+        for req_id in req_ids:
+            if req_id in self._held and (deadline := self.link.renew(req_id)) is not None:
+                granted[req_id] = deadline
+        return granted
 
     def _transfers_ended(self, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Loads that landed or failed (decode side); blocks read or leases ended (prefill side)."""

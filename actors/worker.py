@@ -32,9 +32,11 @@ from actors.messages import (
 )
 from actors.sampler import Sampler
 from kv.cache_layout import CacheLayout, allocate_caches, auto_block_size, plan_layout
+from kv.compat import kv_compat
 from kv.nixl_worker import NixlWorkerConnector
-from kv.tp_slices import PageSlicer
+from kv.tp_slices import PageSlicer, read_pieces
 from kv.transfer_stats import TransferStats
+from kv.verify import HandOverChecksums, algorithm
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_config, load_model
@@ -82,6 +84,11 @@ class WorkerConfig:
     # in the KVTransferParams it hands out.
     nixl_agent_name: str = ""
     kv_fail_fraction: float = 0.0  # tests: fail this share of KV loads
+    kv_transfer_timeout_s: float = 30.0
+    kv_delay_s: float = 0.0  # tests: hold each KV READ back this long
+    kv_verify: bool = False  # prefill: checksum handed-over blocks (kv/verify.py)
+    kv_corrupt_fraction: float = 0.0  # tests: corrupt this share of landed loads
+    kv_verify_tp: int = 1  # prefill under --kv-verify: the decode engines' TP size (what each rank READs)
     # Tensor parallelism: this worker's rank among its engine's workers, and where they meet
     # (a `tcp://host:port` torch.distributed init method; unused when tp_size is 1).
     tp_rank: int = 0
@@ -129,6 +136,12 @@ class Worker:
                 agent_name=rank_agent_name(cfg.nixl_agent_name, cfg.tp_rank) if cfg.nixl_agent_name else None,
                 fail_fraction=cfg.kv_fail_fraction,
                 fail_seed=cfg.seed,
+                transfer_timeout_s=cfg.kv_transfer_timeout_s,
+                delay_s=cfg.kv_delay_s,
+                compat=kv_compat(
+                    cfg.model_dir, self._layout, algorithm(self.device) if cfg.kv_verify else "", self.tp.size
+                ),
+                corrupt_fraction=cfg.kv_corrupt_fraction,
                 slicer=PageSlicer(
                     self.full_config,
                     self._layout.block_size,
@@ -140,6 +153,9 @@ class Worker:
             )
         )
         self._faults_to_inject = 0
+        self._hand_over_sums = (
+            self._checksummer(cfg, cache_dtype) if cfg.kv_verify and cfg.kv_role == "prefill" else None
+        )
 
     def inject_faults(self, num_steps: int) -> None:
         """Tests only (reached through Ray, never over HTTP): the next `num_steps` forwards
@@ -216,7 +232,29 @@ class Worker:
                 log.exception("worker step %d failed", out.step_id)
                 for req_id in scheduled:
                     self._drop(failed, req_id, f"the worker failed step {out.step_id}: {e!r}")
-        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed, failed_reqs=failed)
+        # A request sampled on the prefill side has its prompt computed and is handed over;
+        # nothing writes its blocks afterwards, so their checksums hold until it is read.
+        sums = self._hand_over_sums
+        checksums = {} if sums is None else {r: [sums.table(self.requests[r].block_ids)] for r in sampled}
+        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed, failed_reqs=failed, kv_checksums=checksums)
+
+    def _checksummer(self, cfg: WorkerConfig, cache_dtype: torch.dtype) -> HandOverChecksums:
+        """--kv-verify on a prefill rank: per decode rank (of `kv_verify_tp`), the spans of
+        this rank's pages that decode rank READs."""
+        kinds = tuple(g.kind for g in self._layout.groups)
+        readers = PageSlicer(self.full_config, self._layout.block_size, cache_dtype, 0, cfg.kv_verify_tp, kinds)
+        page = self._layout.page_bytes
+        spans = [
+            [
+                [
+                    (p.remote, p.length)
+                    for p in read_pieces(readers, kind, self.tp.rank, self.tp.size, d, readers.size, page)
+                ]
+                for kind in kinds
+            ]
+            for d in range(readers.size)
+        ]
+        return HandOverChecksums(self.buffers, spans)
 
     def _forward(self, scheduled: dict[str, int], failed: dict[str, str]) -> tuple[dict[str, int], dict[str, float]]:
         """Run the scheduled chunks, then sample for each request whose chunk reached its last

@@ -76,6 +76,14 @@ class WorkerActor:
             raise RuntimeError("a colocated worker has no NIXL agent")
         self._worker.connector.add_peer(info)
 
+    def remove_nixl_peers(self, engine_id: str) -> list[str]:
+        if self._worker.connector is None:
+            raise RuntimeError("a colocated worker has no NIXL agent")
+        return self._worker.connector.remove_peers(engine_id)
+
+    def nixl_peer_names(self) -> list[str]:
+        return [] if self._worker.connector is None else self._worker.connector.peer_names
+
     def transfer_stats(self) -> TransferStats | None:
         return self._worker.transfer_stats()
 

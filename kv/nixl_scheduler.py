@@ -15,7 +15,6 @@ between a READ completing and the scheduler learning of it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,13 +81,9 @@ class NixlSchedulerConnector:
         blocks before it are skipped block for block; a state group reads its one slot, the
         remote's state after its last computed token)."""
         end = num_local_computed + num_external
-        local, remote = [], []
-        for manager, mine, theirs in zip(self.managers, block_ids, params.remote_block_ids):
-            span = manager.block_span(num_local_computed, end)
-            local.append(tuple(mine[span]))
-            remote.append(tuple(theirs[span]))
-        sliced = dataclasses.replace(params, remote_block_ids=tuple(remote))
-        self._loads.append(LoadSpec(req_id, sliced, tuple(local)))
+        spans = [manager.block_span(num_local_computed, end) for manager in self.managers]
+        local = tuple(tuple(mine[span]) for mine, span in zip(block_ids, spans))
+        self._loads.append(LoadSpec(req_id, params.sliced(spans), local))
 
     def notify_abandoned(self, params: KVTransferParams) -> None:
         self._notify.append((params.remote_agent_name, params.request_id))
@@ -107,15 +102,31 @@ class NixlSchedulerConnector:
     # -- prefill side -----------------------------------------------------------------
 
     def request_finished(
-        self, req_id: str, engine_id: str, agent_name: str, block_ids: Sequence[Sequence[int]], num_tokens: int
+        self,
+        req_id: str,
+        engine_id: str,
+        agent_name: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        checksums: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
     ) -> KVTransferParams:
-        """Describe the computed prompt for the decode side and start the blocks' lease."""
+        """Describe the computed prompt for the decode side and start the blocks' lease;
+        `checksums` (--kv-verify) go with it: per prefill rank, decode rank and group, one per block."""
         deadline = self.clock() + self.lease_s
+        sums = None if checksums is None else tuple(tuple(tuple(tuple(g) for g in t) for t in row) for row in checksums)
         params = KVTransferParams(
-            engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id, deadline
+            engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id, deadline, sums
         )
         self._leases[req_id] = deadline
         return params
+
+    def renew(self, req_id: str) -> float | None:
+        """A decode side's heartbeat: extend a lease still held; None if it is not (read,
+        abandoned or expired: the blocks may be gone, so nothing is promised)."""
+        if req_id not in self._leases:
+            return None
+        self._leases[req_id] = deadline = self.clock() + self.lease_s
+        return deadline
 
     def release(self, req_id: str) -> bool:
         """The decode side has read (or abandoned) the blocks; True if a lease was held."""

@@ -30,15 +30,31 @@ hard-codes a zero delay): a core per agent, idle or not, halving the transfer ra
 small machine. So it stays off and a thread of ours polls every `poll_interval_s` (about
 2% of a core at 1 ms); with None, the caller's `get_finished` calls are the only progress.
 
+Peers. A peer's `PeerInfo` carries its `KVCompat` record; `add_peer` refuses one whose cache
+differs from this worker's (kv/compat.py). A dead engine's agents are removed with
+`remove_peers` (its replacement has new agent names, never the old ones): loads from them
+fail at once, later loads naming them fail as from an unknown peer.
+
 UCX. On one host no variables are needed: the bundled UCX 1.23 picks tcp on `lo` plus cma
 (UCX_LOG_LEVEL=info shows it). Across hosts or network namespaces set UCX_TLS=tcp and
 UCX_NET_DEVICES in the worker's environment; the connector sets none.
+
+Bounded. A load that has not ended `transfer_timeout_s` after `start_load` fails as a whole,
+whichever remote rank's READ is still in flight: those handles are released (NIXL asks UCX
+to cancel the READs), their prefill ranks are notified, and every block is reported in
+`failed`, so the scheduler's load-failure policy decides (docs/design.md §12).
 
 Fault injection (tests; off by default). With probability `fail_fraction` (seeded, one
 draw per `start_load`) a load READs only the first half, rounded down, of each group's
 blocks, notifying as usual; the rest keep their old bytes and are reported in `failed`,
 as a transfer that broke off would leave them. A one-block group (a Mamba state) is not
 read at all; if nothing is read, no transfer is posted and the notification goes alone.
+`delay_s` holds every READ back that long before posting it, as a stalled peer or link
+would; past the timeout it is a READ that never completes. With probability
+`corrupt_fraction` a landed load's first block has its pages' bits flipped, which only
+`--kv-verify` (`page_checksums`, kv/verify.py) detects: the block is then reported failed.
+Each rank checks the spans it read from each prefill rank against that rank's checksums
+of them (`read_pieces`).
 
 Stats (`transfer_stats`, for `/metrics`): each completed load's time from posting to
 completion as seen by polling (so up to `poll_interval_s` late), its pages and bytes, and
@@ -62,10 +78,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv.compat import KVCompat
 from kv.nixl_shim import NIXL_ERRORS, nixl_agent, nixl_agent_config
-from kv.tp_slices import PageSlicer
-from kv.transfer_params import KVTransferParams
+from kv.tp_slices import PageSlicer, Piece, read_pieces
+from kv.transfer_params import Checksums, KVTransferParams
 from kv.transfer_stats import TransferStats
+from kv.verify import corrupt, mismatched
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +108,7 @@ class PeerInfo:
     tp_rank: int = 0
     tp_size: int = 1
     engine_agent: str = ""
+    compat: KVCompat | None = None  # checked by `add_peer` (kv/compat.py)
 
 
 @dataclass(slots=True)
@@ -111,13 +130,19 @@ class _Peer:
 class _Load:
     block_ids: list[int]  # every local block the load writes, in group order
     skipped: list[int]  # local blocks left unread: reported as failed
-    # One READ per remote rank read from (agent -> handle), each carrying its notification
-    # (agent -> message); empty when nothing is in flight.
+    # Every remote rank this rank reads from or must notify: (agent, notification message).
+    targets: list[tuple[str, str]] = field(default_factory=list)
+    kept: list[list[tuple[int, int]]] = field(default_factory=list)  # (local, remote) block pairs to READ
+    # One READ per remote rank read from (agent -> handle), each carrying its notification;
+    # empty when nothing is in flight.
     handles: dict[str, Any] = field(default_factory=dict)
-    messages: dict[str, str] = field(default_factory=dict)
     started: float = 0.0  # time.monotonic() when the READs were posted
     num_descs: int = 0  # descriptors the READs move
     num_bytes: int = 0
+    deadline: float = float("inf")  # time.monotonic() past which the load fails (timeout)
+    post_at: float | None = None  # fault injection: the READs held back until then
+    # --kv-verify: (remote rank, remote TP size) -> (kind, local block, checksum) of each block read
+    expected: dict[tuple[int, int], list[tuple[str, int, int]]] = field(default_factory=dict)
 
 
 def _rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
@@ -150,6 +175,10 @@ class NixlWorkerConnector:
         poll_interval_s: float | None = 0.001,
         fail_fraction: float = 0.0,
         fail_seed: int = 0,
+        transfer_timeout_s: float = 30.0,
+        delay_s: float = 0.0,
+        compat: KVCompat | None = None,
+        corrupt_fraction: float = 0.0,
         slicer: PageSlicer | None = None,
     ) -> None:
         """`slicer` describes this worker's tensor-parallel rank and its pages (kv/tp_slices.py);
@@ -171,6 +200,10 @@ class NixlWorkerConnector:
             raise ValueError(f"poll_interval_s must be positive or None, got {poll_interval_s}")
         if not 0.0 <= fail_fraction <= 1.0:
             raise ValueError(f"fail_fraction must be in [0, 1], got {fail_fraction}")
+        if transfer_timeout_s <= 0 or delay_s < 0:
+            raise ValueError(
+                f"transfer_timeout_s must be positive and delay_s >= 0, got {transfer_timeout_s}, {delay_s}"
+            )
         self.engine_id = engine_id
         self.page_bytes = page_bytes
         self.num_blocks = num_blocks
@@ -181,13 +214,19 @@ class NixlWorkerConnector:
         self._mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self._device_id = device.index or 0  # a CPU tensor has no index; DRAM is device 0
         self._fail_fraction = fail_fraction
+        self._timeout_s = transfer_timeout_s
+        self._delay_s = delay_s
+        self._corrupt_fraction = corrupt_fraction
         self._rng = random.Random(fail_seed)
         self._slicer = slicer
         self._tp_rank, self._tp_size = (slicer.rank, slicer.size) if slicer is not None else (0, 1)
         self._ranks: dict[str, dict[int, str]] = {}  # engine agent -> rank -> agent
-        self._notif_counts: dict[str, int] = {}  # prefill side: counted notifications so far
+        # Prefill side: counted notifications so far, and when the first came (`_on_notif`).
+        self._notif_counts: dict[str, tuple[int, float]] = {}
         self._lock = threading.Lock()
+        self._compat = compat
         self._peers: dict[str, _Peer] = {}
+        self._removed: set[str] = set()  # agents of dead incarnations: never loaded again
         self._loads: dict[str, _Load] = {}
         self._pending = FinishedTransfers()
         self.stats = TransferStats()  # under the lock; read it with `transfer_stats()`
@@ -221,6 +260,7 @@ class NixlWorkerConnector:
             self._tp_rank,
             self._tp_size,
             self._engine_agent(self.agent_name, self._tp_rank),
+            self._compat,
         )
 
     @staticmethod
@@ -232,6 +272,12 @@ class NixlWorkerConnector:
         with self._lock:
             if info.agent_name in self._peers:
                 return
+            if info.agent_name in self._removed:
+                raise ValueError(f"peer {info.agent_name} was removed; a restarted engine has a new agent")
+            if self._compat is not None:
+                if info.compat is None:
+                    raise ValueError(f"peer {info.agent_name} sent no KV compatibility record")
+                self._compat.check(info.compat, info.agent_name)
             same_tp = info.tp_size == self._tp_size
             if (same_tp and info.page_bytes != self.page_bytes) or len(info.base_addrs) != len(self._base_addrs):
                 raise ValueError(
@@ -257,6 +303,36 @@ class NixlWorkerConnector:
             self._peers[name] = _Peer(info, descs)
             self._ranks.setdefault(info.engine_agent or name, {})[info.tp_rank] = name
 
+    def remove_peers(self, engine_id: str) -> list[str]:
+        """Forget every agent of `engine_id` (it died and was replaced): its loads in flight
+        fail now, later loads naming it fail as unknown peers, and its names are never
+        accepted again. Returns the names removed."""
+        with self._lock:
+            gone = [name for name, peer in self._peers.items() if peer.info.engine_id == engine_id]
+            for req_id, load in list(self._loads.items()):
+                if any(agent in gone for agent, _ in load.targets):
+                    del self._loads[req_id]
+                    for handle in load.handles.values():
+                        self._release(handle)
+                    self._pending.failed[req_id] = list(load.block_ids)
+                    self.stats.failed += 1
+            for name in gone:
+                peer = self._peers.pop(name)
+                if peer.descs is not None:
+                    peer.descs.release()
+                self._agent.remove_remote_agent(name)
+                self._removed.add(name)
+                ranks = self._ranks.get(peer.info.engine_agent or name, {})
+                ranks.pop(peer.info.tp_rank, None)
+                if not ranks:
+                    self._ranks.pop(peer.info.engine_agent or name, None)
+            return gone
+
+    @property
+    def peer_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
     def start_load(self, req_id: str, params: KVTransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
         """READ the request's remote blocks into `local_block_ids`, group by group, every
         buffer; poll `get_finished` for the outcome. A group whose remote list is shorter
@@ -272,24 +348,25 @@ class NixlWorkerConnector:
             try:
                 peers = self._engine_peers(params.remote_agent_name)
                 pairs = self._pair(local_block_ids, params.remote_block_ids, peers[0].info.num_blocks)
+                kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
+                load = _Load(
+                    block_ids=[mine for group in pairs for mine, _ in group],
+                    skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k) :]],
+                    targets=[(p.info.agent_name, message) for p, message in self._targets(peers, params.request_id)],
+                    kept=kept,
+                    deadline=time.monotonic() + self._timeout_s,
+                )
+                if params.page_checksums is not None:
+                    load.expected = self._expected(req_id, load, params.page_checksums)
             except ValueError as e:
                 log.warning("KV load of %s refused: %s", req_id, e)
                 self._pending.failed[req_id] = [int(b) for group in local_block_ids for b in group]
                 self._notify_engine(params.remote_agent_name, params.request_id)
                 return
-            kept = [group[: len(group) // 2] for group in pairs] if self._draw_failure() else pairs
-            load = _Load(
-                block_ids=[mine for group in pairs for mine, _ in group],
-                skipped=[mine for group, k in zip(pairs, kept) for mine, _ in group[len(k) :]],
-            )
-            load.started = time.monotonic()
-            for peer, message in self._targets(peers, params.request_id):
-                handle = self._read(peer, kept, message, load) if self._reads_any(peer, kept) else None
-                if handle is None:  # nothing in flight carries this rank's notification
-                    self._notify(peer.info.agent_name, message)
-                    continue
-                load.handles[peer.info.agent_name] = handle
-                load.messages[peer.info.agent_name] = message
+            if self._delay_s > 0:
+                load.post_at = time.monotonic() + self._delay_s
+            else:
+                self._post(load)
             self._loads[req_id] = load
 
     def _engine_peers(self, engine_agent: str) -> list[_Peer]:
@@ -373,19 +450,70 @@ class NixlWorkerConnector:
             with self._lock:
                 self._poll()
 
+    def _post(self, load: _Load) -> None:
+        """Post one READ per remote rank read from; a rank with nothing to read, or whose READ
+        NIXL refused (the load then fails), is notified at once."""
+        load.post_at = None
+        load.started = time.monotonic()
+        for agent, message in load.targets:
+            peer = self._peers[agent]
+            handle = self._read(peer, load.kept, message, load) if self._reads_any(peer, load.kept) else None
+            if handle is None:  # nothing in flight carries this rank's notification
+                self._notify(agent, message)
+            else:
+                load.handles[agent] = handle
+
+    def _expected(self, req_id: str, load: _Load, sums: Checksums) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+        """--kv-verify: per remote rank read from, the checksum its side took of the bytes this
+        rank reads into each local block (`sums[remote rank][local rank][group][block]`)."""
+        out: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for agent, _ in load.targets:
+            info = self._peers[agent].info
+            if len(sums) != info.tp_size or len(sums[info.tp_rank]) != self._tp_size:
+                raise ValueError(
+                    f"load {req_id}: checksums for {len(sums)} prefill x {len(sums[0]) if sums else 0} decode "
+                    f"ranks, the peer has {info.tp_size} and this engine {self._tp_size}"
+                )
+            mine = sums[info.tp_rank][self._tp_rank]
+            out[(info.tp_rank, info.tp_size)] = [
+                (kind, local, mine[g][i])
+                for g, (kind, group) in enumerate(zip(self._kinds(len(load.kept)), load.kept))
+                for i, (local, _) in enumerate(group)
+            ]
+        return out
+
+    def _kinds(self, num_groups: int) -> tuple[str, ...]:
+        """Each cache group's kind; one slicer-less worker's whole pages need none."""
+        return self._slicer.kinds if self._slicer is not None else ("",) * num_groups
+
+    def _read_pieces(self, kind: str, remote_rank: int, remote_size: int) -> tuple[Piece, ...]:
+        return read_pieces(self._slicer, kind, remote_rank, remote_size, self._tp_rank, self._tp_size, self.page_bytes)
+
     def _poll(self) -> None:
         """Progress UCX and move what ended into `_pending`; the caller holds the lock."""
+        now = time.monotonic()
         for req_id, load in list(self._loads.items()):
+            if load.post_at is not None and now >= load.post_at and now < load.deadline:
+                self._post(load)
             states = {agent: self._state(handle) for agent, handle in load.handles.items()}
-            if "PROC" in states.values():
+            busy = load.post_at is not None or "PROC" in states.values()
+            if busy and now < load.deadline:
                 continue
             del self._loads[req_id]
             for handle in load.handles.values():
+                # Past the deadline this cancels a READ still in flight; its notification will not go.
                 self._release(handle)
-            for agent in [a for a, state in states.items() if state == "ERR"]:
-                log.warning("KV load of %s from %s failed", req_id, agent)
-                load.skipped = list(load.block_ids)
-                self._notify(agent, load.messages[agent])
+            if busy:
+                log.warning("KV load of %s timed out after %ss", req_id, self._timeout_s)
+                unsent = [a for a, _ in load.targets] if load.post_at is not None else list(states)
+                self._fail_reads(load, [a for a in unsent if states.get(a) != "DONE"])
+            elif errs := [a for a, state in states.items() if state == "ERR"]:
+                log.warning("KV load of %s from %s failed", req_id, errs)
+                self._fail_reads(load, errs)
+            else:
+                self._maybe_corrupt(load)
+                if load.expected:
+                    self._verify(req_id, load)
             if load.skipped:
                 self._pending.failed[req_id] = load.skipped
                 self.stats.failed += 1
@@ -403,6 +531,7 @@ class NixlWorkerConnector:
                     self._on_notif(msg.decode())
                 except UnicodeDecodeError:
                     log.warning("ignoring a notification from %s that is no request id: %r", agent, msg[:64])
+        self._forget_stale_counts(now)
 
     def _on_notif(self, text: str) -> None:
         """A request id, or `id<SEP>n` when n readers (other TP ranks) each send one: the
@@ -411,11 +540,48 @@ class NixlWorkerConnector:
         if not sep or not count.isdigit():
             self._pending.done_sending.add(text)
             return
-        seen = self._notif_counts.pop(req_id, 0) + 1
-        if seen >= int(count):
+        seen, first = self._notif_counts.pop(req_id, (0, time.monotonic()))
+        if seen + 1 >= int(count):
             self._pending.done_sending.add(req_id)
         else:
-            self._notif_counts[req_id] = seen
+            self._notif_counts[req_id] = (seen + 1, first)
+
+    def _forget_stale_counts(self, now: float) -> None:
+        """Drop counts whose other notifications are overdue: a decode rank died mid-load. Its
+        readers all start at one engine step and each ends within the transfer timeout, so
+        past twice that none is coming; the request's blocks go at the end of its lease."""
+        for req_id, (seen, first) in list(self._notif_counts.items()):
+            if now - first > 2 * self._timeout_s:
+                log.warning("request %s: %d of its readers notified; the rest are overdue", req_id, seen)
+                del self._notif_counts[req_id]
+
+    def _fail_reads(self, load: _Load, agents: list[str]) -> None:
+        """Every block of `load` is invalid; these remote ranks' notifications did not go."""
+        load.skipped = list(load.block_ids)
+        messages = dict(load.targets)
+        for agent in agents:
+            self._notify(agent, messages[agent])
+
+    def _maybe_corrupt(self, load: _Load) -> None:
+        """Test fault: the first block READ goes bad after hand-over (on the way, or in memory)."""
+        skipped = set(load.skipped)
+        read = [b for b in load.block_ids if b not in skipped]
+        if read and self._corrupt_fraction > 0.0 and self._rng.random() < self._corrupt_fraction:
+            corrupt(self._buffers, read[0])
+
+    def _verify(self, req_id: str, load: _Load) -> None:
+        """--kv-verify: a block whose bytes read from some remote rank do not match that rank's
+        checksum of them is invalid."""
+        skipped, bad = set(load.skipped), set()
+        for (rank, size), entries in load.expected.items():
+            for kind in dict.fromkeys(k for k, _, _ in entries):
+                blocks = [(b, s) for k, b, s in entries if k == kind and b not in skipped]
+                spans = [(p.local, p.length) for p in self._read_pieces(kind, rank, size)]
+                bad.update(mismatched(self._buffers, [b for b, _ in blocks], [s for _, s in blocks], spans))
+        if bad:
+            log.warning("KV load of %s: blocks %s fail their checksums", req_id, sorted(bad))
+            load.skipped = sorted(skipped | bad)
+            self.stats.corrupt += 1
 
     def _count(self, load: _Load) -> None:
         if load.handles:  # a load of nothing (no blocks granted) moved nothing

@@ -125,3 +125,17 @@ class PageSlicer:
             return True
         nobody = not any(self.reads_from(remote_rank, remote_size, r) for r in range(self.size))
         return nobody and remote_rank % self.size == self.rank
+
+
+def read_pieces(
+    slicer: PageSlicer | None, kind: str, remote_rank: int, remote_size: int, rank: int, size: int, page_bytes: int
+) -> tuple[Piece, ...]:
+    """What rank `rank` of `size` READs from `remote_rank` of `remote_size`'s pages of `kind`
+    (kv/nixl_worker.py): between equal TP sizes the whole page of the same rank, otherwise its
+    head slices, as `slicer` (one of size `size`) cuts them. --kv-verify checksums exactly
+    these bytes on both sides."""
+    if remote_size == size:
+        return (Piece(0, 0, page_bytes),) if remote_rank == rank else ()
+    if slicer is None or slicer.size != size:
+        raise ValueError(f"reading a TP {remote_size} peer's pages from TP {size} needs a slicer of size {size}")
+    return slicer.pieces(kind, remote_rank, remote_size, rank)

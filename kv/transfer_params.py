@@ -12,9 +12,14 @@ raced the lease's free: see `NixlSchedulerConnector.lease_ok`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+# --kv-verify: [prefill rank][decode rank][cache group][block] -> the checksum of the bytes of
+# that block that decode rank READs from that prefill rank (kv/verify.py, kv/tp_slices.py).
+Checksums = tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,9 @@ class KVTransferParams:
     num_tokens: int  # tokens whose KV / state the transfer supplies
     request_id: str  # the prefill side's id: the notification names it so its blocks are freed
     expires_at: float = float("inf")  # when the prefill side frees the pages unread (time.time())
+    # --kv-verify: per (prefill rank, decode rank) one checksum per block of `remote_block_ids`
+    # (`Checksums`); None without it
+    page_checksums: Checksums | None = None
 
     def __post_init__(self) -> None:
         for name in ("remote_engine_id", "remote_agent_name", "request_id"):
@@ -43,10 +51,15 @@ class KVTransferParams:
             or self.expires_at != self.expires_at
         ):
             raise ValueError(f"expires_at must be a number of seconds, got {self.expires_at!r}")
+        if self.page_checksums is not None and not _shaped(self.page_checksums, self.remote_block_ids):
+            raise ValueError(
+                "page_checksums must be, per prefill rank and decode rank, ints shaped like remote_block_ids, "
+                f"got {self.page_checksums!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (lists, not tuples)."""
-        return {
+        out = {
             "remote_engine_id": self.remote_engine_id,
             "remote_agent_name": self.remote_agent_name,
             "remote_block_ids": [list(group) for group in self.remote_block_ids],
@@ -54,6 +67,20 @@ class KVTransferParams:
             "request_id": self.request_id,
             "expires_at": self.expires_at,
         }
+        if self.page_checksums is not None:
+            out["page_checksums"] = _lists(self.page_checksums)
+        return out
+
+    def sliced(self, spans: list[slice]) -> KVTransferParams:
+        """The same transfer, reduced to these blocks of each group (with their checksums)."""
+        sums = self.page_checksums
+        return dataclasses.replace(
+            self,
+            remote_block_ids=tuple(ids[s] for ids, s in zip(self.remote_block_ids, spans)),
+            page_checksums=None
+            if sums is None
+            else tuple(tuple(tuple(g[s] for g, s in zip(groups, spans)) for groups in row) for row in sums),
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
@@ -62,11 +89,11 @@ class KVTransferParams:
             # ValueError like every other bad field: callers answer it with HTTP 400.
             raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
         expected = {f.name for f in fields(cls)}
-        if missing := expected - data.keys() - {"expires_at"}:
+        if missing := expected - data.keys() - {"expires_at", "page_checksums"}:
             raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")
         if unknown := data.keys() - expected:
             raise ValueError(f"kv_transfer_params has unknown fields {sorted(map(str, unknown))}")
-        groups = data["remote_block_ids"]
+        groups, sums = data["remote_block_ids"], data.get("page_checksums")
         if not isinstance(groups, list | tuple) or not all(isinstance(g, list | tuple) for g in groups):
             raise ValueError(f"remote_block_ids must be a list of lists, got {groups!r}")
         return cls(
@@ -76,9 +103,37 @@ class KVTransferParams:
             num_tokens=data["num_tokens"],
             request_id=data["request_id"],
             expires_at=data.get("expires_at", float("inf")),
+            page_checksums=None if sums is None else _tuples(sums, 4, "page_checksums"),
         )
 
 
 def _is_int(value: object) -> bool:
     # JSON true/false parse to bool, which is an int subclass; a block id is never a bool.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tuples(value: Any, depth: int, name: str) -> Any:
+    """Nested lists `depth` deep as nested tuples; ValueError if they are not."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be lists nested {depth} deep, got {value!r}")
+    return tuple(_tuples(v, depth - 1, name) for v in value) if depth > 1 else tuple(value)
+
+
+def _lists(value: Any) -> Any:
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _shaped(sums: Any, blocks: tuple[tuple[int, ...], ...]) -> bool:
+    shape = [len(g) for g in blocks]
+    return (
+        isinstance(sums, tuple)
+        and len(sums) > 0
+        and all(isinstance(row, tuple) and len(row) == len(sums[0]) > 0 for row in sums)
+        and all(
+            isinstance(groups, tuple)
+            and [len(g) if isinstance(g, tuple) else -1 for g in groups] == shape
+            and all(_is_int(c) for g in groups for c in g)
+            for row in sums
+            for groups in row
+        )
+    )

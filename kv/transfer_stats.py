@@ -61,6 +61,7 @@ class TransferStats:
     bytes: int = 0
     descriptors: int = 0  # (buffer, block) pages moved, one NIXL descriptor each
     failed: int = 0
+    corrupt: int = 0  # loads whose pages failed their --kv-verify checksums (also counted in failed)
 
     def copy(self) -> TransferStats:
-        return TransferStats(self.seconds.copy(), self.bytes, self.descriptors, self.failed)
+        return TransferStats(self.seconds.copy(), self.bytes, self.descriptors, self.failed, self.corrupt)

@@ -6,7 +6,8 @@ under the same name, and they do not die with the process that happened to creat
 replacement is a fresh scheduler, worker, cache and NIXL agent: a decode engine gets every
 prefill worker's agent again, a prefill engine's new agent goes to every decode engine. The
 requests that were in flight on the dead engine are resumed by the router on another engine
-(api/migration.py); nothing is retried here.
+(api/migration.py); nothing is retried here. Decode engines also get the prefill engines' actor
+handles, to renew the leases of the KV they have yet to read (kv/lease.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
     if names["prefill"]:
         peers = [p for ps in ray.get([engines[n].nixl_peers.remote() for n in names["prefill"]]) for p in ps]
         ray.get([engines[n].add_nixl_peers.remote(peers) for n in names["decode"]])
+        prefill = {n: engines[n] for n in names["prefill"]}
+        ray.get([engines[n].set_lease_peers.remote(prefill) for n in names["decode"]])
     return names
 
 
@@ -140,9 +143,13 @@ class EngineSupervisor:
         if role == "decode":
             peers = await asyncio.gather(*(self.handles[n].nixl_peers.remote() for n in names["prefill"]))
             await handle.add_nixl_peers.remote([p for ps in peers for p in ps])
+            await handle.set_lease_peers.remote({n: self.handles[n] for n in names["prefill"]})
         elif role == "prefill":
+            # The dead incarnation's agents go first: never read from again (docs/design.md §12).
+            await asyncio.gather(*(self.handles[n].forget_nixl_engine.remote(name) for n in names["decode"]))
             peers = await handle.nixl_peers.remote()
             await asyncio.gather(*(self.handles[n].add_nixl_peers.remote(peers) for n in names["decode"]))
+            await asyncio.gather(*(self.handles[n].set_lease_peers.remote({name: handle}) for n in names["decode"]))
         self.handles[name] = handle
         self.num_replaced += 1
         self.on_replaced(name, handle)

@@ -228,8 +228,8 @@ def finish(conn: NixlWorkerConnector, req_id: str) -> FinishedTransfers:
         time.sleep(0.001)
 
 
-def notified(conn: NixlWorkerConnector, req_id: str) -> bool:
-    deadline = time.monotonic() + 10
+def notified(conn: NixlWorkerConnector, req_id: str, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if req_id in conn.get_finished().done_sending:
             return True

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kv.tp_slices import PageSlicer, _parts
+from kv.tp_slices import PageSlicer, Piece, _parts, read_pieces
+from kv.verify import _weighted_sums, checksum_blocks
 from models.config import ModelConfig
 from models.tiny_configs import nemotron_h, qwen3_5
 
@@ -67,3 +68,30 @@ def test_every_remote_rank_is_notified_by_its_readers(prefill_tp, decode_tp):
     for p in range(prefill_tp):
         notifiers = [s for s in slicers if s.notifies(p, prefill_tp)]
         assert len(notifiers) == slicers[0].readers(p, prefill_tp) >= 1
+
+
+@pytest.mark.parametrize("checksum", [checksum_blocks, _weighted_sums])
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (4, 2), (2, 2)])
+def test_a_prefill_ranks_checksum_of_what_a_decode_rank_reads_matches_what_landed(checksum, prefill_tp, decode_tp):
+    """--kv-verify per rank pair: prefill rank p's checksum of the spans decode rank d reads of
+    its page equals d's checksum of where those bytes landed; a changed landed byte shows."""
+    cfg = _config("nemotron_h", num_key_value_heads=1)
+    kinds = ("attention", "mamba")
+    for page_kind in kinds:
+        remote = [_page(cfg, page_kind, p, prefill_tp) for p in range(prefill_tp)]
+        for d in range(decode_tp):
+            slicer = PageSlicer(cfg, BLOCK, torch.bfloat16, d, decode_tp, kinds)
+            local = _page(cfg, page_kind, d, decode_tp)
+            for p in range(prefill_tp):
+                pieces = read_pieces(slicer, page_kind, p, prefill_tp, d, decode_tp, len(local))
+                if prefill_tp == decode_tp:
+                    assert pieces == (() if p != d else (Piece(0, 0, len(local)),))  # whole pages, rank to rank
+                sent = checksum([torch.from_numpy(remote[p][None].copy())], [0], [(x.remote, x.length) for x in pieces])
+                page = torch.from_numpy(local[None].copy())
+                spans = [(x.local, x.length) for x in pieces]
+                assert checksum([page], [0], spans) == sent
+                if pieces:
+                    page[0, pieces[-1].local] ^= 1
+                    assert checksum([page], [0], spans) != sent
+    with pytest.raises(ValueError, match="needs a slicer of size 2"):
+        read_pieces(None, "attention", 0, 1, 0, 2, 64)

@@ -26,6 +26,7 @@ def start_pd(cfg: Config):
     decode = RemoteEngine.remote(cfg.to_dict(), "decode", "decode-0")
     ray.get([prefill.ready.remote(), decode.ready.remote()])
     ray.get(decode.add_nixl_peers.remote(ray.get(prefill.nixl_peers.remote())))
+    ray.get(decode.set_lease_peers.remote({"prefill-0": prefill}))
     return prefill, decode
 
 
