@@ -167,6 +167,7 @@ class EngineCore:
                 "held_for_decode": s.num_held,
                 "failed_loads": s.num_failed_loads,
                 "expired_leases": s.num_expired_leases,
+                "rank_merge_partial": self.merger.num_partial,
                 "phases": self.phases.snapshot(),
             },
         )

@@ -121,10 +121,12 @@ class EngineActor:
         await asyncio.gather(*(w.inject_faults.remote(num_steps) for w in self.workers))
 
     async def stats(self) -> EngineStats:
-        """The engine's stats with its workers' KV-transfer counters (`extra["kv_transfer"]`)."""
+        """The engine's stats with its workers' KV-transfer counters (`extra["kv_transfer"]`) and
+        what each rank still holds (`extra["ranks_held"]`, rank order)."""
         stats = self.core.stats()
         transfers = await asyncio.gather(*(w.transfer_stats.remote() for w in self.workers))
         stats.extra["kv_transfer"] = [t for t in transfers if t is not None]
+        stats.extra["ranks_held"] = await asyncio.gather(*(w.held.remote() for w in self.workers))
         return stats
 
     async def wait_idle(self) -> EngineStats:

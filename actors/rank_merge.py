@@ -101,6 +101,11 @@ class RankMerger:
                     done.append(req_id)
         return done
 
+    @property
+    def num_partial(self) -> int:
+        """Loads and reads that some but not all ranks have reported (zero once idle)."""
+        return len(self._loads) + len(self._sent)
+
     def forget_sent(self, is_held: Callable[[str], bool]) -> None:
         """Drop the partial tallies of prefill requests no longer held (their lease ended): a
         late notification must not keep an entry for ever."""

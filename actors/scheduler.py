@@ -150,9 +150,11 @@ class Scheduler(DisaggScheduling):
         return req_id in self._held
 
     def has_work(self) -> bool:
-        """Anything left to schedule or to wait for; an idle engine holds no block."""
+        """Anything left to schedule, to wait for or to tell the workers; an idle engine holds
+        no block and its workers hold no request (a finish is told them in a step)."""
         return bool(
-            self.waiting
+            self._finished_for_workers
+            or self.waiting
             or self.loaded
             or self.running
             or self._needs_polling()
@@ -246,7 +248,7 @@ class Scheduler(DisaggScheduling):
             budget -= n
 
         meta = self.connector.build_connector_meta() if self.connector is not None else None
-        if not tokens and meta is None and not self._needs_polling():
+        if not tokens and meta is None and not self._needs_polling() and not self._finished_for_workers:
             return None
         self._next_step += 1
         finished, self._finished_for_workers = self._finished_for_workers, []

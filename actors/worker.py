@@ -135,7 +135,7 @@ class Worker:
                 self._layout.num_blocks,
                 agent_name=rank_agent_name(cfg.nixl_agent_name, cfg.tp_rank) if cfg.nixl_agent_name else None,
                 fail_fraction=cfg.kv_fail_fraction,
-                fail_seed=cfg.seed,
+                fail_seed=cfg.seed + cfg.tp_rank,  # ranks fail apart: a load may fail on one rank only
                 transfer_timeout_s=cfg.kv_transfer_timeout_s,
                 delay_s=cfg.kv_delay_s,
                 compat=kv_compat(

@@ -87,6 +87,15 @@ class WorkerActor:
     def transfer_stats(self) -> TransferStats | None:
         return self._worker.transfer_stats()
 
+    def held(self) -> dict[str, int]:
+        """What this rank still holds for requests (each zero once its engine is idle): the
+        request states the scheduler has not yet told it to forget, and its connector's
+        loads, unreported loads and partly counted notifications."""
+        held = {"requests": len(self._worker.requests)}
+        if self._worker.connector is not None:
+            held.update(self._worker.connector.held())
+        return held
+
     def inject_faults(self, num_steps: int) -> None:
         self._worker.inject_faults(num_steps)
 

@@ -416,6 +416,19 @@ class NixlWorkerConnector:
         with self._lock:
             return self.stats.copy()
 
+    def held(self) -> dict[str, int]:
+        """What this connector still tracks, each zero once its engine is idle (tests, leak
+        checks): loads with READs in flight, ended loads not yet reported to a step, and
+        requests whose reader notifications are only partly counted. Not read notifications
+        not yet reported: one may come after its request stopped being held (its lease
+        ended; a duplicate), and waits for the next step, which ignores it."""
+        with self._lock:
+            return {
+                "loads": len(self._loads),
+                "unreported_loads": len(self._pending.done_recving) + len(self._pending.failed),
+                "partial_notifs": len(self._notif_counts),
+            }
+
     def send_notif(self, agent_name: str, req_id: str) -> None:
         """Tell a prefill worker it may free `req_id`'s blocks without a READ (the decode side
         aborted or rejected the request)."""

@@ -72,6 +72,7 @@ def test_outputs_match_reference_and_blocks_return(async_scheduling, num_blocks,
         assert reason == "length"
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     sched.kv.check_integrity()
+    assert not worker.tokens, "an idle engine's worker still holds finished requests"
     if num_blocks <= 60:
         assert sched.num_preemptions > 0
 

@@ -78,17 +78,21 @@ def test_finding3_an_idle_engine_holds_no_fenced_block():
 
 
 class HeldStep:
-    """An executor whose steps finish only when the test says so."""
+    """An executor whose steps finish only when the test says so; from then on at once."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = []
+        self.released = False
 
     def __call__(self, out: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         fut: Future[ModelRunnerOutput] = Future()
         self.pending.append((out, fut))
+        if self.released:
+            self.release()
         return asyncio.wrap_future(fut)
 
     def release(self) -> None:
+        self.released = True
         for out, fut in self.pending:
             fut.set_result(ModelRunnerOutput(out.step_id, {r: 1 for r in out.num_scheduled_tokens}))
         self.pending.clear()

@@ -1,6 +1,7 @@
-"""The real engine, scheduler and KV manager, each driving one simulated worker.
+"""The real engine, scheduler and KV manager, each driving its simulated workers (one per
+tensor-parallel rank, merged by the engine's real `RankMerger`).
 
-Built as actors/build.py builds them, with the simulated worker's `StepExecutor` and the
+Built as actors/build.py builds them, with the simulated workers' `StepExecutor`s and the
 connector's lease clock on the loop's virtual time.
 """
 
@@ -20,6 +21,7 @@ from actors.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
 from tests.sim.content import Provenance
 from tests.sim.fabric import Fabric
+from tests.sim.ranks import Collective
 from tests.sim.sim_worker import SimWorker
 from tests.sim.workload import BLOCK_SIZE, EOS, MAX_MODEL_LEN, Shape
 
@@ -30,7 +32,7 @@ Role = Literal["colocated", "prefill", "decode"]
 class SimEngine:
     name: str
     core: EngineCore
-    worker: SimWorker
+    workers: list[SimWorker]  # rank order
     client: EngineClient
 
     @property
@@ -46,7 +48,7 @@ class SimEngine:
             len(s.running),
             len(s.loading),
             s.num_held,
-            self.worker.steps_run if s.running else 0,
+            self.workers[0].steps_run if s.running else 0,
         )
 
     def is_idle(self) -> bool:
@@ -74,7 +76,8 @@ class SimEngine:
     async def close(self) -> None:
         await self.client.close()
         await self.core.close()
-        await self.worker.close()
+        for worker in self.workers:
+            await worker.close()
 
 
 def build_engine(
@@ -87,19 +90,32 @@ def build_engine(
     fabric: Fabric | None,
     debug_zero_loaded_blocks: bool = False,
 ) -> SimEngine:
-    rng = random.Random(f"{shape.name}/{seed}/{name}/stream")
-    worker = SimWorker(
-        name, shape.groups, num_blocks, BLOCK_SIZE, prov, rng, shape.lag_s, fabric if role != "colocated" else None
-    )
+    tp = shape.prefill_tp if role == "prefill" else shape.decode_tp
+    collective = Collective(tp)
+    workers = [
+        SimWorker(
+            name,
+            shape.groups,
+            num_blocks,
+            BLOCK_SIZE,
+            prov,
+            random.Random(f"{shape.name}/{seed}/{name}/stream" + (f"/{rank}" if rank else "")),
+            shape.lag_s,
+            fabric if role != "colocated" else None,
+            rank,
+            collective,
+        )
+        for rank in range(tp)
+    ]
     kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching)
     cfg = SchedulerConfig(shape.max_batched_tokens, shape.max_num_seqs, MAX_MODEL_LEN)
     disagg = (
         None
         if role == "colocated"
-        else DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, worker.agent_name)
+        else DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, workers[0].agent_name)
     )
     scheduler = Scheduler(cfg, kv, StopChecker(None, MAX_MODEL_LEN), disagg)
     if scheduler.connector is not None:
         scheduler.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds
-    core = EngineCore(scheduler, [worker.executor()], shape.async_scheduling, eos_token_id=EOS)
-    return SimEngine(name, core, worker, EngineClient(EngineCalls.local(core)))
+    core = EngineCore(scheduler, [w.executor() for w in workers], shape.async_scheduling, eos_token_id=EOS)
+    return SimEngine(name, core, workers, EngineClient(EngineCalls.local(core)))

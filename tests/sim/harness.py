@@ -9,7 +9,9 @@ the step, block and expected vs found content:
 - HANG: no progress for `_STALL_S` virtual seconds (every wait is bounded), with the
   engines' queues;
 - LEAK: an engine idle (between bursts of requests, or at the end) whose free blocks are not
-  all its blocks, or whose KV manager fails `check_integrity()`;
+  all its blocks, or whose KV manager fails `check_integrity()`; at the end, a rank still
+  holding a request, a load, an unreported load or a partly counted notification, or
+  an engine whose rank merge still holds a partial tally;
 - WAIT_IDLE RACE: `EngineCore.wait_idle` returned while a step was still in flight (its
   blocks came back later);
 - ENGINE FAILURE: an engine loop that died.
@@ -136,6 +138,9 @@ async def _pd_phase(
         decode_preemptions=decode.scheduler.num_preemptions,
         blocks_skipped=decode.scheduler.blocks_skipped,
         decode_failed_loads=decode.scheduler.num_failed_loads,
+        # loads that failed on some ranks and landed on the others (the merge must fail them)
+        one_rank_failed=sum(len(r) < shape.decode_tp for r in fabric.stats.failed_ranks.values()),
+        failed_load_reqs=len(fabric.stats.failed_ranks),
         expired_leases=decode.scheduler.num_expired_leases,
         aborted=sum(s.abort is not None for s in specs),
         completed=sum(o.finish in ("length", "stop") for o in outs.values()),
@@ -234,12 +239,11 @@ async def _phase(
 async def _finish(report: RunReport, engines: list[SimEngine]) -> None:
     """Idle checks, bad reads and engine failures; then close the engines."""
     for e in engines:
-        for bad in e.worker.bad_reads:
+        bad_reads = [b for w in e.workers for b in w.bad_reads]
+        for bad in bad_reads:
             report.add("BAD READ", str(bad))
-        report.stats["bad_reads"] = report.stats.get("bad_reads", 0) + len(e.worker.bad_reads)
-        report.stats["zeroed_reads"] = report.stats.get("zeroed_reads", 0) + sum(
-            b.found_zero for b in e.worker.bad_reads
-        )
+        report.stats["bad_reads"] = report.stats.get("bad_reads", 0) + len(bad_reads)
+        report.stats["zeroed_reads"] = report.stats.get("zeroed_reads", 0) + sum(b.found_zero for b in bad_reads)
         if e.core._failure is not None:
             report.add("ENGINE FAILURE", f"{e.name}: {e.core._failure!r}")
             continue
@@ -263,5 +267,10 @@ async def _finish(report: RunReport, engines: list[SimEngine]) -> None:
             kv.check_integrity()
         except IntegrityError as err:
             report.add("LEAK", f"{e.name} check_integrity: {err}")
+        for w in e.workers:
+            if any((held := w.held()).values()):
+                report.add("LEAK", f"{w.name} idle still holds {held}")
+        if e.core.merger.num_partial:
+            report.add("LEAK", f"{e.name} idle with {e.core.merger.num_partial} partial rank tallies")
     for e in engines:
         await e.close()

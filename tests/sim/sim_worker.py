@@ -7,6 +7,11 @@ the step's `new_block_ids_to_zero`, then the forward (tests/sim/forward.py), whi
 K/V entry and state it reads against the token history and samples a token that is a function
 of that history, or a wrong one after a bad read. KV loads and notifications are posted at
 `execute_model` time, outside the stream, exactly where the real worker posts them.
+
+Under tensor parallelism an engine has one SimWorker per rank (tests/sim/ranks.py), each
+holding the pages of its own heads only; every rank gets every step (zero list included),
+checks what its heads hold, and its forward meets the other ranks' in an all-reduce, so a
+wrong page on one rank gives every rank the same wrong token.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tests.actors.fake_worker import VOCAB, next_token
 from tests.sim.content import PageMemory, Provenance, extend_prefix_hashes
 from tests.sim.fabric import Fabric, SimConnector
 from tests.sim.forward import BadRead, ChunkContext, run_chunk
+from tests.sim.ranks import Collective, heads_of
 
 
 @dataclass(slots=True)
@@ -45,10 +51,17 @@ class SimWorker:
         rng: random.Random,
         lag_s: tuple[float, float],
         fabric: Fabric | None = None,
+        rank: int = 0,
+        collective: Collective | None = None,
     ) -> None:
+        """`collective` joins the ranks of one engine (its size is the TP size)."""
         self.engine_id = engine_id
         self.groups = groups
-        self.memory = PageMemory(num_blocks, block_size)
+        self.collective = collective or Collective(1)
+        self.rank, tp = rank, self.collective.size
+        self.name = engine_id if tp == 1 else f"{engine_id}/rank{rank}"
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.memories = {h: PageMemory(num_blocks, block_size) for h in heads_of(rank, tp)}
         self.prov = prov
         self.rng = rng
         self.lag_s = lag_s  # each job waits this long (uniform) before it runs: the stream lags
@@ -59,7 +72,7 @@ class SimWorker:
         self._queue: asyncio.Queue[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = asyncio.Queue()
         self._stream: asyncio.Task[None] | None = None
         self.connector: SimConnector | None = (
-            fabric.connect(engine_id, self.memory, lambda: self.steps_run) if fabric is not None else None
+            fabric.connect(engine_id, rank, tp, self.memories, lambda: self.steps_run) if fabric is not None else None
         )
 
     @property
@@ -76,6 +89,10 @@ class SimWorker:
         if self._stream is None:
             self._stream = asyncio.get_running_loop().create_task(self._run_stream())
         return fut
+
+    def held(self) -> dict[str, int]:
+        """As `WorkerActor.held`: what this rank still holds, each zero once the engine is idle."""
+        return {"requests": len(self.requests), **(self.connector.held() if self.connector is not None else {})}
 
     def with_finished_transfers(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
         if self.connector is None:
@@ -123,20 +140,21 @@ class SimWorker:
             out, fut = await self._queue.get()
             await asyncio.sleep(self.rng.uniform(*self.lag_s))
             try:
-                fut.set_result(self._step(out))
+                fut.set_result(await self._step(out))
             except Exception as e:  # the engine sees a failed step, as with the real worker
                 fut.set_exception(e)
             self.steps_run = out.step_id + 1
 
-    def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    async def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """As `Worker._step`: a request the worker cannot run fails alone (`failed_reqs`); a
         forward that cannot run fails every request of the step; a bad zero list raises."""
-        bad_zero = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self.memory.num_blocks]
+        bad_zero = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self.num_blocks]
         if bad_zero:
-            raise ValueError(f"step {out.step_id}: blocks to zero {bad_zero} outside [0, {self.memory.num_blocks})")
+            raise ValueError(f"step {out.step_id}: blocks to zero {bad_zero} outside [0, {self.num_blocks})")
         failed = self._apply(out)
         for block in out.new_block_ids_to_zero or []:
-            self.memory.zero(block)
+            for memory in self.memories.values():
+                memory.zero(block)
         zeroed = len(out.new_block_ids_to_zero or [])
         scheduled = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
         sampled: dict[str, int] = {}
@@ -146,8 +164,11 @@ class SimWorker:
             for req_id in scheduled:
                 self._drop(failed, req_id, f"the worker failed step {out.step_id}: {e!r}")
             return ModelRunnerOutput(out.step_id, {}, num_zeroed_blocks=zeroed, failed_reqs=failed)
-        for ctx, start, end in chunks:
-            token = self._forward(ctx, start, end)
+        read_wrong = {ctx.req_id for ctx, start, end in chunks if self._forward(ctx, start, end)}
+        if chunks:  # every rank has the same chunks: all of them meet here, or none
+            read_wrong = await self.collective.all_reduce(out.step_id, read_wrong)
+        for ctx, _, end in chunks:
+            token = self._sample(ctx.req_id, end, ctx.req_id in read_wrong)
             if token is not None:
                 sampled[ctx.req_id] = token
         return ModelRunnerOutput(out.step_id, sampled, num_zeroed_blocks=zeroed, failed_reqs=failed)
@@ -156,23 +177,30 @@ class SimWorker:
         state = self.requests[req_id]
         start, end = state.num_computed, state.num_computed + n
         for g, group in enumerate(self.groups):
-            need = cdiv(end, self.memory.block_size) if group.kind == "attention" else 1
+            need = cdiv(end, self.block_size) if group.kind == "attention" else 1
             if len(state.block_ids[g]) < need:
                 raise ValueError(f"request {req_id!r} has {len(state.block_ids[g])} blocks in group {g}, needs {need}")
         extend_prefix_hashes(state.hashes, state.tokens)
-        return ChunkContext(self.engine_id, step, req_id, state.tokens, state.hashes, state.block_ids), start, end
+        return ChunkContext(self.name, step, req_id, state.tokens, state.hashes, state.block_ids), start, end
 
-    def _forward(self, ctx: ChunkContext, start: int, end: int) -> int | None:
-        """Check and write one request's chunk; the sampled token, or None mid-prompt."""
-        state = self.requests[ctx.req_id]
-        bad = run_chunk(self.memory, self.prov, self.groups, ctx, start, end)
+    def _forward(self, ctx: ChunkContext, start: int, end: int) -> bool:
+        """Check and write one request's chunk on every head this rank holds; whether it
+        read anything wrong."""
+        bad = [
+            b for memory in self.memories.values() for b in run_chunk(memory, self.prov, self.groups, ctx, start, end)
+        ]
         self.bad_reads.extend(bad)
-        state.num_computed = end
+        self.requests[ctx.req_id].num_computed = end
+        return bool(bad)
+
+    def _sample(self, req_id: str, end: int, read_wrong: bool) -> int | None:
+        """The token after the chunk ending at `end`, or None mid-prompt."""
+        state = self.requests[req_id]
         if end < len(state.tokens):
             return None  # an intermediate prefill chunk samples nothing
         token = next_token(state.tokens)
-        if bad:
-            token = (token + 1) % VOCAB  # computed from wrong content: a wrong token
+        if read_wrong:
+            token = (token + 1) % VOCAB  # computed from wrong content (on some rank): a wrong token
         state.tokens.append(token)
         return token
 
@@ -234,7 +262,7 @@ class SimWorker:
     def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:
         if len(block_ids) != len(self.groups):
             return f"{step}: request {req_id!r} has block ids for {len(block_ids)} groups"
-        bad = [b for ids in block_ids for b in ids if not 0 <= b < self.memory.num_blocks]
+        bad = [b for ids in block_ids for b in ids if not 0 <= b < self.num_blocks]
         return f"{step}: request {req_id!r} names blocks {bad} outside the cache" if bad else None
 
     def _drop(self, failed: dict[str, str], req_id: str, why: str) -> None:

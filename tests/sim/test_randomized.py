@@ -1,7 +1,7 @@
 """The randomized suite (issue 8): seeded workloads through the real engine, scheduler and KV
 manager, with content-tracking simulated workers and a simulated NIXL (tests/sim/).
 
-Every shape runs for 30 seeds in every `make test` (about 45 s of one core for the whole file),
+Every shape runs for 30 seeds in every `make test` (about 60 s of one core for the whole file),
 and for `_LONG_SEEDS` more under the `sim_long` marker (`make test-sim-long`). A failure prints,
 for each problem, the shape, seed, request and, where it applies, step, block and expected vs
 found content.
@@ -44,3 +44,15 @@ def test_fix_off_is_caught(shape: Shape, seed: int) -> None:
     assert report.stats.get("landed_before_zeroing", 0) >= 1
     assert report.stats.get("zeroed_reads", 0) >= 1, f"fix off not caught: stats {report.stats}"
     assert "WRONG" in report.kinds(), "a wiped load must also show in the tokens"
+
+
+def test_tp_loads_failing_on_one_rank_are_failed_loads() -> None:
+    """A load that fails on one decode rank and lands on the other is a failed load for the
+    scheduler, recomputed, whatever the other rank's bytes: runs see such loads, count each
+    failed load once, and still give the colocated outputs."""
+    shape = SHAPES["dense_pd_prefix_fail_recompute_tp12"]
+    for seed in range(3):
+        report = run_shape(shape, seed)
+        assert report.ok, f"{len(report.problems)} problems, stats {report.stats}\n{report.summary()}"
+        assert report.stats["one_rank_failed"] > 0
+        assert report.stats["decode_failed_loads"] == report.stats["failed_load_reqs"]

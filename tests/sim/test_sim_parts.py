@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import random
 
+from actors.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from kv.transfer_params import KVTransferParams
 from models.batch import CacheGroup
+from tests.actors.fake_worker import VOCAB, next_token
 from tests.sim.content import KV, Mark, PageMemory, Provenance, State, extend_prefix_hashes
 from tests.sim.fabric import Fabric, TransferTiming
 from tests.sim.forward import ChunkContext, run_chunk
+from tests.sim.ranks import Collective, heads_of
+from tests.sim.sim_worker import SimWorker
 from tests.sim.vclock import run_virtual
 
 BS = 4
@@ -72,22 +76,27 @@ def test_state_of_another_prefix_is_a_bad_read() -> None:
     assert bad[0].found == "state(g1, b[:4])"
 
 
+def shard(num_blocks: int, rank: int = 0, tp: int = 1) -> dict[int, PageMemory]:
+    """The pages of every head rank `rank` of `tp` holds."""
+    return {h: PageMemory(num_blocks, BS) for h in heads_of(rank, tp)}
+
+
 def test_read_copies_the_source_as_it_is_when_it_lands() -> None:
     async def main() -> tuple[list[object], list[str], list[str]]:
         fabric = Fabric(random.Random(0), 0.0, TransferTiming(p_immediate=0.0, p_late=1.0))
-        src, dst = PageMemory(4, BS), PageMemory(4, BS)
-        prefill = fabric.connect("p", src, lambda: 0)
-        decode = fabric.connect("d", dst, lambda: 0)
-        src.write_slot(2, 0, KV(0, 111))
+        src, dst = shard(4), shard(4)
+        prefill = fabric.connect("p", 0, 1, src, lambda: 0)
+        decode = fabric.connect("d", 0, 1, dst, lambda: 0)
+        src[1].write_slot(2, 0, KV(0, 111))
         params = KVTransferParams("p", prefill.agent_name, ((2,),), 4, "x")
         decode.start_load("x", params, [[3]], step_id=0)  # the first READ lands at once
         await asyncio.sleep(1e-6)
-        first = dst.read_slot(3, 0)
+        first = dst[1].read_slot(3, 0)
         decode.start_load("y", KVTransferParams("p", prefill.agent_name, ((2,),), 4, "y"), [[1]], step_id=1)
-        src.write_slot(2, 0, KV(0, 222))  # freed and reused before the READ lands
+        src[1].write_slot(2, 0, KV(0, 222))  # freed and reused before the READ lands
         await asyncio.sleep(0.05)
         return (
-            [first, dst.read_slot(1, 0)],
+            [first, dst[1].read_slot(1, 0)],
             sorted(prefill.get_finished().sending),
             sorted(decode.get_finished().recving),
         )
@@ -100,8 +109,8 @@ def test_read_copies_the_source_as_it_is_when_it_lands() -> None:
 def test_a_failed_read_reports_the_unread_blocks() -> None:
     async def main() -> dict[str, list[int]]:
         fabric = Fabric(random.Random(0), 1.0, TransferTiming())
-        prefill = fabric.connect("p", PageMemory(8, BS), lambda: 0)
-        decode = fabric.connect("d", PageMemory(8, BS), lambda: 0)
+        prefill = fabric.connect("p", 0, 1, shard(8), lambda: 0)
+        decode = fabric.connect("d", 0, 1, shard(8), lambda: 0)
         ok = KVTransferParams("p", prefill.agent_name, ((0,), (1,)), 4, "first")
         decode.start_load("first", ok, [[0], [1]], step_id=0)  # a run's first READ never fails
         params = KVTransferParams("p", prefill.agent_name, ((0, 1, 2), (3,)), 12, "z")
@@ -110,3 +119,65 @@ def test_a_failed_read_reports_the_unread_blocks() -> None:
         return decode.get_finished().failed
 
     assert run_virtual(main()) == {"z": [5, 6, 7]}  # half the attention blocks read, the state not
+
+
+def test_tp_reads_take_each_head_from_its_rank_and_count_the_readers() -> None:
+    """Prefill TP 2 to decode TP 1: the decode rank reads head h from prefill rank h, and each
+    prefill rank is read once. Prefill TP 1 to decode TP 2: the prefill rank's pages count as
+    read only once both decode ranks have notified."""
+
+    async def main() -> tuple[list[object], list[list[str]], list[str], list[str]]:
+        fabric = Fabric(random.Random(0), 0.0, TransferTiming(p_immediate=1.0))
+        wide = [fabric.connect("p2", r, 2, shard(4, r, 2), lambda: 0) for r in range(2)]
+        for r, rank in enumerate(wide):
+            rank.memories[r].write_slot(1, 0, KV(0, 100 + r))
+        one = fabric.connect("d1", 0, 1, shard(4), lambda: 0)
+        one.start_load("a", KVTransferParams("p2", wide[0].agent_name, ((1,),), 4, "a"), [[2]], step_id=0)
+        await asyncio.sleep(1e-6)
+        read = [one.memories[h].read_slot(2, 0) for h in (0, 1)]
+        sent = [sorted(rank.get_finished().sending) for rank in wide]
+        narrow = fabric.connect("p1", 0, 1, shard(4), lambda: 0)
+        split = [fabric.connect("d2", r, 2, shard(4, r, 2), lambda: 0) for r in range(2)]
+        params = KVTransferParams("p1", narrow.agent_name, ((1,),), 4, "b")
+        split[0].start_load("b", params, [[3]], step_id=0)
+        await asyncio.sleep(1e-6)
+        after_one = sorted(narrow.get_finished().sending)
+        split[1].start_load("b", params, [[3]], step_id=0)
+        await asyncio.sleep(1e-6)
+        return read, sent, after_one, sorted(narrow.get_finished().sending)
+
+    read, sent, after_one, after_both = run_virtual(main())
+    assert read == [KV(0, 100), KV(0, 101)]
+    assert sent == [["a"], ["a"]]
+    assert after_one == [] and after_both == ["b"]
+
+
+def test_a_page_wiped_on_one_rank_makes_every_rank_sample_wrong() -> None:
+    """Each rank checks only its own heads' pages; the all-reduce then gives every rank the
+    same wrong token, as a real TP forward over one bad shard would."""
+
+    async def main() -> list[list[dict[str, int]]]:
+        collective = Collective(2)
+        ranks = [
+            SimWorker("e", DENSE, 8, BS, Provenance(), random.Random(r), (0.0, 0.0), rank=r, collective=collective)
+            for r in range(2)
+        ]
+        prompt = [11, 12, 13, 14, 15]
+        sp = SamplingParams(max_tokens=3, temperature=0.0)
+        steps = [
+            SchedulerOutput(0, [NewRequestData("r", prompt, sp, [[0, 1]], 0)], [], {"r": 5}, [], None),
+            SchedulerOutput(1, [], [CachedRequestData("r", 5, [[]])], {"r": 1}, [], None),
+        ]
+        sampled = []
+        for out in steps:
+            results = await asyncio.gather(*(asyncio.wrap_future(w.execute_model(out)) for w in ranks))
+            sampled.append([res.sampled for res in results])
+            ranks[1].memories[1].zero(0)  # rank 1's shard of block 0 lost, rank 0's intact
+        for w in ranks:
+            await w.close()
+        return sampled
+
+    first, second = run_virtual(main())
+    assert first[0] == first[1] == {"r": next_token([11, 12, 13, 14, 15])}
+    history = [11, 12, 13, 14, 15, first[0]["r"]]
+    assert second[0] == second[1] == {"r": (next_token(history) + 1) % VOCAB}

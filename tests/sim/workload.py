@@ -8,6 +8,7 @@ output lengths, arrival times and where each client leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,6 +64,8 @@ class Shape:
     abort_points: tuple[AbortPoint, ...] = ABORT_POINTS
     lease_s: float = 30.0
     lag_s: tuple[float, float] = (0.0002, 0.002)  # per compute-stream job
+    prefill_tp: int = 1  # tensor-parallel ranks per engine (tests/sim/ranks.py)
+    decode_tp: int = 1  # also the colocated engine's
     timing: TransferTiming = field(default_factory=TransferTiming)
 
     @property
@@ -294,3 +297,15 @@ SHAPES: dict[str, Shape] = {
         Shape("hybrid_colocated_tight", "hybrid", pd=False, decode_blocks=12, num_requests=24, arrival_gap_s=0.0),
     )
 }
+
+# Tensor parallelism (tests/sim/ranks.py): each rank's pages hold its own heads; loads fail
+# and land per rank; prefill TP above, below and equal to decode TP.
+for _base, _p, _d in (
+    ("hybrid_pd_recompute_aborts", 2, 1),
+    ("hybrid_pd_recompute_aborts", 1, 2),
+    ("hybrid_pd_tight", 2, 2),
+    ("dense_pd_prefix_fail_recompute", 1, 2),
+    ("hybrid_colocated_tight", 1, 2),
+):
+    _tp = dataclasses.replace(SHAPES[_base], name=f"{_base}_tp{_p}{_d}", prefill_tp=_p, decode_tp=_d)
+    SHAPES[_tp.name] = _tp
