@@ -41,7 +41,15 @@ class ComputeStream:
             # let that finish so the first job never reads half-copied memory.
             torch.cuda.synchronize(self.device)
             self._cuda = torch.cuda.Stream(self.device)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-stream")
+        # OpenMP's thread count is per thread: the stream's thread would otherwise run every
+        # matmul with the machine's default (all cores), whatever torch.set_num_threads the
+        # creator asked for, and oversubscribed cores ran a decode step several times slower.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="compute-stream",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._executor.submit(self._run, fn, args)

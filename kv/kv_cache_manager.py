@@ -57,6 +57,10 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[bytes]] = {}
         # Prefix-hit token count found by get_computed_blocks, for allocate_slots.
         self._pending_hits: dict[str, int] = {}
+        # Per request, the tokens its blocks cover in every group: a decode step within
+        # them needs no block, which allocate_slots answers without asking each group
+        # (at 256 running that check is most of a step's scheduling).
+        self._covered: dict[str, int] = {}
 
     # -- properties -------------------------------------------------------------
 
@@ -115,12 +119,14 @@ class KVCacheManager:
         `get_block_ids` for whole tables), or None, changing nothing, when the pool
         cannot satisfy the request.
         """
+        if not num_new_computed_tokens and num_tokens_total <= self._covered.get(req_id, -1):
+            # The common decode step: the next token fits the blocks the request owns.
+            return tuple([] for _ in self.managers)
         if num_tokens_total < num_new_computed_tokens:
             raise ValueError(f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}")
         hits = self._take_hit_blocks(req_id, num_new_computed_tokens)
         needs = [m.get_num_blocks_to_allocate(req_id, num_tokens_total) for m in self.managers]
         if not hits and not any(needs):
-            # The common decode step: the next token fits the blocks the request owns.
             return tuple([] for _ in self.managers)
         num_new = sum(max(need - len(hits.get(i, ())), 0) for i, need in enumerate(needs))
         # A hit block sitting in the free queue is counted as free but stops being
@@ -141,6 +147,7 @@ class KVCacheManager:
                 # Prefix hits never get here: their content is valid and must stay.
                 self._blocks_to_zero.update(dict.fromkeys(ids, req_id))
             new_ids.append(ids)
+        self._covered[req_id] = min(m.num_tokens_covered(req_id) for m in self.managers)
         return tuple(new_ids)
 
     def _take_hit_blocks(self, req_id: str, num_tokens: int) -> dict[int, list[KVBlock]]:
@@ -186,6 +193,7 @@ class KVCacheManager:
             manager.free(req_id)
         self._req_hashes.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
+        self._covered.pop(req_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while any block is in use."""

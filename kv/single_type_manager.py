@@ -6,6 +6,7 @@ how many blocks a request needs and whether fresh blocks must be zeroed.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
@@ -40,6 +41,10 @@ class SingleTypeManager(ABC):
     def block_ids_in_range(self, req_id: str, start_token: int, end_token: int) -> list[int]:
         return self.block_ids(req_id)[self.block_span(start_token, end_token)]
 
+    @abstractmethod
+    def num_tokens_covered(self, req_id: str) -> int:
+        """The most tokens the request's table covers without another block."""
+
     def get_num_blocks_to_allocate(self, req_id: str, num_tokens: int) -> int:
         owned = len(self.req_to_blocks.get(req_id, ()))
         return max(self.num_required_blocks(num_tokens) - owned, 0)
@@ -72,6 +77,9 @@ class FullAttentionManager(SingleTypeManager):
         # How many leading blocks of each request are already in the hash map, so
         # caching after every step only looks at blocks that just became full.
         self._num_cached: dict[str, int] = {}
+
+    def num_tokens_covered(self, req_id: str) -> int:
+        return len(self.req_to_blocks.get(req_id, ())) * self.block_size
 
     def block_span(self, start_token: int, end_token: int) -> slice:
         if start_token >= end_token:
@@ -119,6 +127,9 @@ class MambaManager(SingleTypeManager):
     is not kept."""
 
     zeroes_new_blocks = False
+
+    def num_tokens_covered(self, req_id: str) -> int:
+        return sys.maxsize if self.req_to_blocks.get(req_id) else 0
 
     def block_span(self, start_token: int, end_token: int) -> slice:
         # The one state slot holds whatever prefix was computed last, whatever the range.

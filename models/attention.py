@@ -86,12 +86,13 @@ def paged_attention(
 def _gather(cache: torch.Tensor, table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[R, W] block table -> [R, W * block_size, KVH, D]. `index_select` copies whole pages
     (advanced indexing on the strided page views is several times slower); the table's
-    padding entries are then zeroed in place."""
+    padding entries are then zeroed in place, by page index (a boolean-mask assignment
+    cost more than the gather itself)."""
     reqs, width = table.shape
     _, block_size, kv_heads, head_dim = cache.shape
-    out = cache.index_select(0, table.flatten()).reshape(reqs, width, block_size, kv_heads, head_dim)
+    out = cache.index_select(0, table.flatten())
     if not bool(valid.all()):
-        out[~valid] = 0
+        out.index_fill_(0, (~valid).flatten().nonzero().squeeze(1), 0)
     return out.view(reqs, width * block_size, kv_heads, head_dim)
 
 

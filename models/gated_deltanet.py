@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from models.batch import ForwardBatch
 from models.config import GatedDeltaNetSpec
+from models.layers import Linear
 
 CHUNK = 64
 
@@ -145,10 +146,10 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, eps: float) -> None:
         super().__init__()
         self.spec = spec
-        self.in_proj_qkv = nn.Linear(hidden_size, spec.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, spec.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, spec.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, spec.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden_size, spec.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, spec.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, spec.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, spec.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             spec.conv_dim,
             spec.conv_dim,
@@ -160,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(spec.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(spec.num_v_heads).uniform_(0.01, 16).log())
         self.norm = NormThenGate(spec.head_v_dim, eps)
-        self.out_proj = nn.Linear(spec.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(spec.value_dim, hidden_size, bias=False)
 
     def _heads(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output [..., conv_dim] -> q, k [..., Hv, K] (unit length, q scaled, key heads

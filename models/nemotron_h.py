@@ -11,7 +11,7 @@ from torch import nn
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import RMSNorm, relu2
+from models.layers import Linear, RMSNorm, relu2
 from models.mamba import Mamba2Mixer
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -22,10 +22,10 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = h.shape[:-1]
@@ -48,8 +48,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(h)))
@@ -86,7 +86,7 @@ class NemotronHForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = Backbone(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Batched causal forward from an empty state: [B, T] -> logits [B, T, V] (fp32)."""

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import RMSNorm, Rotary
+from models.layers import Linear, RMSNorm, Rotary
 from models.tensor_parallel import SINGLE, TPGroup
 
 
@@ -20,10 +20,10 @@ class Qwen3Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
         self.rotary = Rotary(self.head_dim, cfg.rope_theta)
@@ -49,9 +49,9 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -83,7 +83,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = Qwen3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -17,7 +17,7 @@ from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
-from models.layers import Rotary
+from models.layers import Linear, Rotary
 from models.qwen3 import Qwen3MLP
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -43,10 +43,10 @@ class GatedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.norm_eps)
         self.rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
@@ -116,7 +116,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = Qwen3_5Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
