@@ -3,7 +3,7 @@
     python -m bench.soak --minutes 10 [--concurrency 16] [--kill-every-s 45] [any `python -m serve` flag]
 
 It starts the deployment (default 1 prefill + 2 decode engines, the shipped model, 10% of KV
-loads failing, leases of 10 s), then runs `--concurrency` clients, each sending one request
+loads failing, `--kv-verify` with 5% of landed loads corrupted, leases of 10 s), then runs `--concurrency` clients, each sending one request
 after another (streams, whole responses, chat, n=2, clients leaving mid-stream, bad requests;
 bench/soak_traffic.py) until the time is up, while engines are killed with `ray.kill` every
 `--kill-every-s` (the supervisor replaces them) and a worker fault is injected every
@@ -43,7 +43,15 @@ from serve.engines import NAMESPACE, engine_roles
 REQUEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 120.0  # the engines' killed-peer leases run out within this
 MAX_TOKENS = (8, 64)
-DEFAULTS = {"prefill": 1, "decode": 2, "debug_kv_fail_percent": 10, "kv_lease_s": 10, "worker_threads": 1}
+DEFAULTS = {
+    "prefill": 1,
+    "decode": 2,
+    "debug_kv_fail_percent": 10,
+    "kv_verify": True,
+    "debug_kv_corrupt_percent": 5,
+    "kv_lease_s": 10,
+    "worker_threads": 1,
+}
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
