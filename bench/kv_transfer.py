@@ -50,6 +50,22 @@ CUDA_PATHS = ("nixl", "memcpy")  # VRAM: NIXL registers it; the other paths are 
 _LOAD_TIMEOUT_S = 60.0
 
 
+def timed_load(conn: NixlWorkerConnector, req_id: str, params: KVTransferParams, blocks: int) -> float:
+    """Seconds from posting a load of blocks [0, `blocks`) until the connector reports it landed."""
+    t0 = time.perf_counter()
+    conn.start_load(req_id, params, [list(range(blocks))])
+    deadline = t0 + _LOAD_TIMEOUT_S
+    while True:
+        got = conn.get_finished()
+        if req_id in got.failed:
+            raise RuntimeError(f"NIXL load {req_id} failed: {got.failed[req_id]}")
+        if req_id in got.done_recving:
+            return time.perf_counter() - t0
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"NIXL load {req_id} did not finish in {_LOAD_TIMEOUT_S} s")
+        time.sleep(0)
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     path: str
@@ -96,18 +112,7 @@ class Endpoint:
         req = f"load-{self.loads}"
         ids = tuple(range(blocks))
         params = KVTransferParams(info.engine_id, info.agent_name, (ids,), blocks, req)
-        t0 = time.perf_counter()
-        self.conn.start_load(req, params, [list(ids)])
-        deadline = t0 + _LOAD_TIMEOUT_S
-        while True:
-            got = self.conn.get_finished()
-            if req in got.failed:
-                raise RuntimeError(f"NIXL load {req} failed")
-            if req in got.done_recving:
-                return time.perf_counter() - t0
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"NIXL load {req} did not finish in {_LOAD_TIMEOUT_S} s")
-            time.sleep(0)
+        return timed_load(self.conn, req, params, blocks)
 
     def pid(self) -> int:
         return os.getpid()

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
+from bench.kv_transfer import timed_load
 from kv.nixl_worker import NixlWorkerConnector
 from kv.transfer_params import KVTransferParams
 from kv.verify import checksum_blocks
-
-_LOAD_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,20 +43,6 @@ class Row:
     verified_ms: float
     handover_ms: float
     checksum_gb_per_s: float
-
-
-def _load(dec: NixlWorkerConnector, req_id: str, params: KVTransferParams, blocks: int) -> float:
-    t0 = time.perf_counter()
-    dec.start_load(req_id, params, [list(range(blocks))])
-    deadline = time.monotonic() + _LOAD_TIMEOUT_S
-    while True:
-        done = dec.get_finished()
-        if req_id in done.failed:
-            raise RuntimeError(f"load {req_id} failed: {done.failed[req_id]}")
-        if req_id in done.done_recving:
-            return time.perf_counter() - t0
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"load {req_id} did not end in {_LOAD_TIMEOUT_S}s")
 
 
 def _one(blocks: int, block_mib: float, buffers: int, reps: int) -> Row:
@@ -74,8 +59,8 @@ def _one(blocks: int, block_mib: float, buffers: int, reps: int) -> Row:
         checked = KVTransferParams("bench-pre", pre.agent_name, (tuple(ids),), blocks, "r", page_checksums=sums)
         times: dict[str, list[float]] = {"read": [], "verified": [], "handover": []}
         for rep in range(reps + 1):  # the first is a warm-up
-            read = _load(dec, f"plain-{rep}", plain, blocks)
-            verified = _load(dec, f"checked-{rep}", checked, blocks)
+            read = timed_load(dec, f"plain-{rep}", plain, blocks)
+            verified = timed_load(dec, f"checked-{rep}", checked, blocks)
             t0 = time.perf_counter()
             checksum_blocks(src, ids)
             handover = time.perf_counter() - t0
