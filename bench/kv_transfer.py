@@ -12,6 +12,9 @@
 - `gloo`: `torch.distributed` send/recv between the two actors (TCP on loopback), straight
   into the decode cache's pages, timed on the receiver from a barrier.
 
+Every process allocates its host memory as a raypd worker does (`WORKER_ENV`: transparent
+huge pages), so the limit and the paths copy between the same kind of pages.
+
 A block is `--buffers` pages, one per cache buffer (the layers of kv/cache_layout.py), of
 `block_mib / buffers` MiB each. Sizes: every `--blocks` count for every `--block-mib`,
 capped at `--max-mib`. Each is moved `--reps` times after a warm-up; the median counts.
@@ -41,6 +44,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.worker_actor import WORKER_ENV
 from bench.cma import read_spans
 from kv.nixl_worker import NixlWorkerConnector, PeerInfo
 from kv.transfer_params import KVTransferParams
@@ -76,7 +80,7 @@ class Row:
     gb_per_s: float
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, runtime_env={"env_vars": WORKER_ENV})
 class Endpoint:
     """One worker's cache buffers, its NIXL connector and a gloo rank, in its own process."""
 
@@ -166,8 +170,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Memcpy:
-    """The limit: the same pages copied by one thread in this process."""
+@ray.remote(num_cpus=0, runtime_env={"env_vars": WORKER_ENV})
+class Memcpy:
+    """The limit: the same pages copied by one thread in one process."""
 
     def __init__(self, num_blocks: int, page_bytes: int, buffers: int, device: str) -> None:
         torch.set_num_threads(1)
@@ -204,7 +209,9 @@ def _one_layout(block_mib: float, counts: list[int], buffers: int, reps: int, de
     prefill_pid = ray.get(prefill.pid.remote())
     port = _free_port()
     ray.get([prefill.gloo_init.remote(0, port), decode.gloo_init.remote(1, port)])
-    memcpy = _Memcpy(num_blocks, page_bytes, buffers, device)
+    memcpy = (Memcpy.options(num_gpus=0.5) if device == "cuda" else Memcpy).remote(
+        num_blocks, page_bytes, buffers, device
+    )
     rows = []
     try:
         for blocks in counts:
@@ -225,8 +232,9 @@ def _one_layout(block_mib: float, counts: list[int], buffers: int, reps: int, de
                         sec = ray.get(decode.gloo_recv.remote(blocks))
                         ray.get(sent)
                     else:
-                        sec = memcpy.load(blocks)
-                    landed = memcpy.check(blocks) if path == "memcpy" else ray.get(decode.digest.remote(blocks)) == want
+                        sec = ray.get(memcpy.load.remote(blocks))
+                    landed = ray.get(memcpy.check.remote(blocks) if path == "memcpy" else decode.digest.remote(blocks))
+                    landed = landed if path == "memcpy" else landed == want
                     if not landed:
                         raise RuntimeError(f"{path}: the destination does not hold the source pages")
                     if rep:
@@ -244,7 +252,7 @@ def _one_layout(block_mib: float, counts: list[int], buffers: int, reps: int, de
                 )
     finally:
         ray.get([prefill.close.remote(), decode.close.remote()])
-        for actor in (prefill, decode):
+        for actor in (prefill, decode, memcpy):
             ray.kill(actor)
     return rows
 

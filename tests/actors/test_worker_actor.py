@@ -4,6 +4,8 @@ step submitted before the previous one returned, or arriving ahead of it."""
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -95,3 +97,42 @@ def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
     with pytest.raises(TimeoutError, match=r"step 1 waited .* for step 0"):
         asyncio.run(worker.execute_model(SchedulerOutput(1, [], [], {}, [], None)))
     worker.shutdown()
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _huge_kib_at(pid: int, addr: int) -> int:
+    """AnonHugePages of the mapping of process `pid` that holds `addr`."""
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping of pid {pid} holds {addr:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
+def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
+    """A same-host READ walks the source's pages one by one (BENCHMARKS.md): the worker asks
+    for transparent huge pages, which this kernel gives only to memory that requests them."""
+    handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8192), num_threads=1)
+    try:
+        layout = ray.get(handle.layout.remote())
+        assert layout.num_blocks * layout.page_bytes >= 8 << 20, layout
+        pid, addrs = ray.get(
+            handle.__ray_call__.remote(lambda self: (os.getpid(), [b.data_ptr() for b in self._worker.buffers]))
+        )
+        assert all(_huge_kib_at(pid, a) >= 2048 for a in addrs)
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)
