@@ -10,6 +10,7 @@ from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, Rotary
+from models.pre_norm import PreNormCausalLM
 from models.tensor_parallel import SINGLE, TPGroup
 
 
@@ -65,6 +66,12 @@ class Qwen3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
         self.mlp = Qwen3MLP(cfg)
 
+    def mixer_dense(self, h: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.forward_dense(h)
+
+    def mixer(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, layer: int) -> torch.Tensor:
+        return self.self_attn(h, batch, cache, layer)
+
 
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -74,29 +81,6 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """`cfg` is this rank's local config under tensor parallelism (models/tensor_parallel.py):
-    attention and MLP outputs are partial sums until `tp.all_reduce`."""
-
+class Qwen3ForCausalLM(PreNormCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.model = Qwen3Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = h + self.tp.all_reduce(layer.self_attn.forward_dense(layer.input_layernorm(h)))
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
-        return self.lm_head(self.model.norm(h)).float()
-
-    def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = h + self.tp.all_reduce(layer.self_attn(layer.input_layernorm(h), batch, caches[i], i))
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
-        return self.lm_head(self.model.norm(h[batch.logits_indices])).float()
+        super().__init__(cfg, tp, Qwen3Model(cfg))

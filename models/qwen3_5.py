@@ -18,6 +18,7 @@ from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.layers import Linear, Rotary
+from models.pre_norm import PreNormCausalLM
 from models.qwen3 import Qwen3MLP
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -107,31 +108,6 @@ class Qwen3_5Model(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """`cfg` is this rank's local config under tensor parallelism (models/tensor_parallel.py):
-    mixer and MLP outputs are partial sums until `tp.all_reduce`."""
-
+class Qwen3_5ForCausalLM(PreNormCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.model = Qwen3_5Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Batched causal forward from an empty state: [B, T] -> logits [B, T, V] (fp32)."""
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = h + self.tp.all_reduce(layer.mixer_dense(layer.input_layernorm(h)))
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
-        return self.lm_head(self.model.norm(h)).float()
-
-    def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
-        """One flat mixed step; returns fp32 logits of each request's last token [R, V]."""
-        h = self.model.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = h + self.tp.all_reduce(layer.mixer(layer.input_layernorm(h), batch, caches[i], i))
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
-        return self.lm_head(self.model.norm(h[batch.logits_indices])).float()
+        super().__init__(cfg, tp, Qwen3_5Model(cfg))
