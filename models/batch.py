@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Literal
 
 import torch
@@ -68,6 +69,10 @@ class ForwardBatch:
     block_size: int
     attn: dict[int, AttnMeta]  # by layer id
     mamba_slots: dict[int, torch.Tensor]  # by layer id: [R] state slot per request
+    # Requests advancing by one token on top of existing state (run as one vector step), and
+    # the others (prefill chunks, run one by one): found once here, read by every state layer.
+    decode_reqs: tuple[int, ...]
+    chunk_reqs: tuple[int, ...]
 
     @property
     def num_reqs(self) -> int:
@@ -77,63 +82,62 @@ class ForwardBatch:
     def query_lens(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.query_start, self.query_start[1:]))
 
-    @property
-    def decode_reqs(self) -> tuple[int, ...]:
-        """Requests advancing by one token on top of existing state: run as one vector step."""
-        return tuple(r for r, (n, c) in enumerate(zip(self.query_lens, self.num_computed)) if n == 1 and c > 0)
-
 
 def build_forward_batch(
     chunks: Sequence[SeqChunk], groups: Sequence[CacheGroup], block_size: int, device: torch.device | str
 ) -> ForwardBatch:
+    """Per-request lists become tensors in a few calls each: the worker builds this every
+    step, and one small tensor per request (or per token) cost milliseconds at 256 requests."""
     if not chunks:
         raise ValueError("a forward batch needs at least one request")
-    ids: list[int] = []
-    pos: list[int] = []
-    req: list[int] = []
-    local: list[int] = []
-    starts = [0]
-    for r, c in enumerate(chunks):
-        n = len(c.token_ids)
-        if n == 0:
-            raise ValueError(f"request {r} schedules no tokens")
-        ids.extend(c.token_ids)
-        pos.extend(range(c.num_computed, c.num_computed + n))
-        req.extend([r] * n)
-        local.extend(range(n))
-        starts.append(starts[-1] + n)
+    lens = [len(c.token_ids) for c in chunks]
+    if 0 in lens:
+        raise ValueError(f"request {lens.index(0)} schedules no tokens")
+    computed = [c.num_computed for c in chunks]
+    starts = [0, *accumulate(lens)]
+    num_reqs = len(chunks)
 
     def tensor(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    positions = tensor(pos)
-    token_req = tensor(req)
+    if starts[-1] == num_reqs:  # one token each: the decode step
+        token_req = torch.arange(num_reqs, device=device)
+        token_local = torch.zeros(num_reqs, dtype=torch.long, device=device)
+        positions = tensor(computed)
+    else:
+        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), tensor(lens))
+        token_local = torch.arange(starts[-1], device=device) - tensor(starts[:-1])[token_req]
+        positions = tensor(computed)[token_req] + token_local
     attn: dict[int, AttnMeta] = {}
     mamba: dict[int, torch.Tensor] = {}
     for g, group in enumerate(groups):
         if group.kind == "attention":
-            meta = _attn_meta(chunks, g, block_size, positions, token_req, device)
+            meta = _attn_meta(chunks, lens, g, block_size, positions, token_req, device)
             attn.update({layer: meta for layer in group.layer_ids})
         else:
             slots = tensor([c.block_ids[g][0] for c in chunks])
             mamba.update({layer: slots for layer in group.layer_ids})
+    is_decode = [n == 1 and c > 0 for n, c in zip(lens, computed)]
     return ForwardBatch(
-        input_ids=tensor(ids),
+        input_ids=tensor(list(chain.from_iterable(c.token_ids for c in chunks))),
         positions=positions,
         token_req=token_req,
-        token_local=tensor(local),
+        token_local=token_local,
         query_start=tuple(starts),
-        num_computed=tuple(c.num_computed for c in chunks),
-        max_query_len=max(len(c.token_ids) for c in chunks),
+        num_computed=tuple(computed),
+        max_query_len=max(lens),
         logits_indices=tensor([s - 1 for s in starts[1:]]),
         block_size=block_size,
         attn=attn,
         mamba_slots=mamba,
+        decode_reqs=tuple(r for r, d in enumerate(is_decode) if d),
+        chunk_reqs=tuple(r for r, d in enumerate(is_decode) if not d),
     )
 
 
 def _attn_meta(
     chunks: Sequence[SeqChunk],
+    lens: Sequence[int],
     group: int,
     block_size: int,
     positions: torch.Tensor,
@@ -142,16 +146,15 @@ def _attn_meta(
 ) -> AttnMeta:
     # Gather only the blocks that hold this request's K/V after the step; a request may own
     # more (look-ahead), and those must not be read.
-    used = [cdiv(c.num_computed + len(c.token_ids), block_size) for c in chunks]
-    for r, c in enumerate(chunks):
-        if len(c.block_ids[group]) < used[r]:
-            raise ValueError(f"request {r} has {len(c.block_ids[group])} blocks, needs {used[r]}")
+    used = [cdiv(c.num_computed + n, block_size) for c, n in zip(chunks, lens)]
     width = max(used)
-    table = torch.zeros((len(chunks), width), dtype=torch.long)
-    valid = torch.zeros((len(chunks), width), dtype=torch.bool)
-    for r, c in enumerate(chunks):
-        table[r, : used[r]] = torch.tensor(list(c.block_ids[group][: used[r]]), dtype=torch.long)
-        valid[r, : used[r]] = True
-    table = table.to(device)
+    rows = []
+    for r, (c, u) in enumerate(zip(chunks, used)):
+        ids = c.block_ids[group]
+        if len(ids) < u:
+            raise ValueError(f"request {r} has {len(ids)} blocks, needs {u}")
+        rows.append([*ids[:u], *[0] * (width - u)])
+    table = torch.tensor(rows, dtype=torch.long, device=device)
+    valid = torch.arange(width, device=device)[None, :] < torch.tensor(used, device=device)[:, None]
     slots = table[token_req, positions // block_size] * block_size + positions % block_size
-    return AttnMeta(block_table=table, block_valid=valid.to(device), slot_mapping=slots)
+    return AttnMeta(block_table=table, block_valid=valid, slot_mapping=slots)

@@ -210,10 +210,7 @@ class GatedDeltaNet(nn.Module):
         decode = batch.decode_reqs
         if decode:
             self._decode_step(decode, batch, mixed, a, b, conv_cache, state_cache, slots, out)
-        decode_set = set(decode)
-        for r in range(batch.num_reqs):
-            if r in decode_set:
-                continue
+        for r in batch.chunk_reqs:
             lo, hi = batch.query_start[r], batch.query_start[r + 1]
             slot = slots[r]
             fresh = batch.num_computed[r] == 0

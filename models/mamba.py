@@ -142,10 +142,7 @@ class Mamba2Mixer(nn.Module):
         decode = batch.decode_reqs
         if decode:
             self._decode_step(decode, batch, xbc, dt, a, conv_cache, ssm_cache, slots, y)
-        decode_set = set(decode)
-        for r in range(batch.num_reqs):
-            if r in decode_set:
-                continue
+        for r in batch.chunk_reqs:
             lo, hi = batch.query_start[r], batch.query_start[r + 1]
             slot = slots[r]
             fresh = batch.num_computed[r] == 0
