@@ -169,7 +169,7 @@ def test_a_count_whose_other_readers_never_notify_is_dropped():
     pre = connector("pre-counted", transfer_timeout_s=0.1)
     dec = connector("dec")
     dec.add_peer(pre.metadata())
-    counted = "r\x1f2"  # request r, 2 readers (kv/nixl_worker.py _COUNT_SEP)
+    counted = "r\x1f2"  # request r, 2 readers (kv/notif_counts.py `counted`)
     try:
         dec.send_notif(pre.agent_name, counted)
         assert not notified(pre, "r", within_s=0.5)  # over 2 x 0.1 s: dropped
