@@ -446,6 +446,7 @@ class NixlWorkerConnector:
                 )
         except NIXL_ERRORS as e:
             log.warning("NIXL refused a READ from %s: %r", peer.info.agent_name, e)
+            load.fail()  # with no READ in flight the load would otherwise end as landed
             return None
         try:
             if self._agent.transfer(handle) != "ERR":

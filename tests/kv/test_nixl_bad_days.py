@@ -4,6 +4,7 @@ another cache layout is refused; a removed peer's loads fail and its agent never
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,9 +13,12 @@ import torch
 from kv.cache_layout import plan_layout
 from kv.compat import KVCompat, KVCompatError, kv_compat
 from kv.nixl_worker import NixlWorkerConnector
+from kv.tp_slices import PageSlicer
 from kv.transfer_params import KVTransferParams
 from kv.verify import checksum_blocks
+from models.config import ModelConfig
 from models.loader import load_config
+from models.tiny_configs import nemotron_h
 from tests.kv.test_nixl_worker import finish, notified
 from tests.models.hf_fixtures import save_hf_model
 
@@ -181,3 +185,34 @@ def test_a_count_whose_other_readers_never_notify_is_dropped():
     finally:
         dec.close()
         pre.close()
+
+
+def test_a_read_nixl_refuses_to_build_fails_the_load(prefill):
+    """Head-slice READs get their descriptors per READ; one whose remote range the peer never
+    registered is refused by NIXL when the transfer is built. Nothing is in flight then, so
+    the load must not end as landed: every block fails and the prefill side is told."""
+    cfg = ModelConfig.from_hf_dict(nemotron_h())
+    layout = plan_layout(cfg, torch.bfloat16, 4, BLOCKS)
+    slicer = PageSlicer(cfg, 4, torch.bfloat16, 0, 1, tuple(g.kind for g in layout.groups))
+    bufs = [torch.zeros(BLOCKS, layout.page_bytes, dtype=torch.uint8) for _ in layout.buffers]
+    dec = NixlWorkerConnector("dec", bufs, layout.page_bytes, BLOCKS, slicer=slicer)
+    other = connector("pre")
+    real = prefill.metadata()
+    # The two ranks of a TP-2 engine whose pages lie where they registered nothing.
+    for rank, info in enumerate((real, other.metadata())):
+        dec.add_peer(
+            dataclasses.replace(
+                info,
+                base_addrs=(info.base_addrs[0] + (1 << 40),) * len(layout.buffers),
+                page_bytes=layout.page_bytes,
+                tp_rank=rank,
+                tp_size=2,
+                engine_agent=real.agent_name,
+            )
+        )
+    ids = tuple(range(len(layout.groups)))
+    dec.start_load("d", KVTransferParams("pre", real.agent_name, tuple((i,) for i in ids), 4, "p"), [[i] for i in ids])
+    assert finish(dec, "d").failed == {"d": list(ids)}
+    assert notified(prefill, "p")
+    for conn in (dec, other):
+        conn.close()
