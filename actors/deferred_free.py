@@ -38,6 +38,8 @@ class DeferredFree:
     def reported(self, step: int) -> None:
         """Step `step` has reported: free everything fenced on it or earlier."""
         self.last_reported = step
+        if not self._pending:
+            return
         keep = []
         for fence, req_id in self._pending:
             if fence <= step:

@@ -33,6 +33,7 @@ from actors.messages import (
     NewRequestData,
     RequestOutput,
     SchedulerOutput,
+    request_output,
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_pd import DisaggConfig, DisaggScheduling
@@ -172,8 +173,10 @@ class Scheduler(DisaggScheduling):
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         tokens: dict[str, int] = {}
+        starts: dict[str, int] = {}  # where each scheduled chunk starts (to undo a failed one)
         preempted = False
 
+        fits = self.kv.fits
         for req in list(self.running):
             if budget == 0 or preempted:
                 break
@@ -181,6 +184,12 @@ class Scheduler(DisaggScheduling):
                 continue  # preempted earlier in this loop
             n = min(self._num_new_tokens(req), budget)
             if n <= 0:
+                continue
+            if fits(req.req_id, req.num_computed_tokens + n):
+                # The common decode step: nothing to allocate, so nothing to tell the workers
+                # but the count (what `allocate_slots` would answer, without building it).
+                self._commit(req, n, step, tokens, starts)
+                budget -= n
                 continue
             while (new_ids := self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
                 victim = self._pick_victim(req, tokens)
@@ -194,12 +203,12 @@ class Scheduler(DisaggScheduling):
             else:
                 if any(new_ids):  # otherwise the worker continues from its own count: no message
                     cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
-                self._commit(req, n, step, tokens)
+                self._commit(req, n, step, tokens, starts)
                 budget -= n
 
         while self.loaded and budget > 0 and not preempted:
             req = self.loaded[0]
-            n = self._admit(req, req.num_computed_tokens, 0, budget, step, new_reqs, cached, tokens)
+            n = self._admit(req, req.num_computed_tokens, 0, budget, step, new_reqs, cached, tokens, starts)
             if n == 0:
                 break
             self.loaded.popleft()
@@ -236,7 +245,7 @@ class Scheduler(DisaggScheduling):
                     self.num_expired_leases += 1
                     if not self._load_failed(req, "its KV lease at the prefill engine expired before the load"):
                         continue  # failed and dequeued
-            n = self._admit(req, hit, fresh_hit, budget, step, new_reqs, cached, tokens)
+            n = self._admit(req, hit, fresh_hit, budget, step, new_reqs, cached, tokens, starts)
             if n == 0:
                 break
             self.waiting.popleft()
@@ -251,6 +260,8 @@ class Scheduler(DisaggScheduling):
         if not tokens and meta is None and not self._needs_polling() and not self._finished_for_workers:
             return None
         self._next_step += 1
+        if starts:
+            self._step_starts[step] = starts
         finished, self._finished_for_workers = self._finished_for_workers, []
         return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(step), meta)
 
@@ -264,6 +275,7 @@ class Scheduler(DisaggScheduling):
         new_reqs: list[NewRequestData],
         cached: list[CachedRequestData],
         tokens: dict[str, int],
+        starts: dict[str, int],
     ) -> int:
         """Start running a queued request from `hit` computed tokens (`fresh_hit` of them a
         prefix-cache hit just found); the tokens scheduled, or 0 (nothing changed) if its blocks
@@ -280,7 +292,7 @@ class Scheduler(DisaggScheduling):
         else:
             new_reqs.append(NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit))
             req.known_to_workers = True
-        self._commit(req, n, step, tokens)
+        self._commit(req, n, step, tokens, starts)
         return n
 
     def _needs_polling(self) -> bool:
@@ -288,17 +300,21 @@ class Scheduler(DisaggScheduling):
         return bool(self.loading or self._held)
 
     def _num_new_tokens(self, req: Request) -> int:
-        if req.num_expected_outputs >= req.sampling.max_tokens:
+        # `num_expected_outputs` and `num_tokens_with_placeholders` spelled out: this runs for
+        # every running request every step.
+        num_expected_outputs = len(req.output_token_ids) + req.num_placeholders
+        if num_expected_outputs >= req.sampling.max_tokens:
             return 0  # the last token it may produce is already being sampled
-        return req.num_tokens_with_placeholders - req.num_computed_tokens
+        return len(req.prompt_token_ids) + num_expected_outputs - req.num_computed_tokens
 
-    def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int]) -> None:
+    def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int], starts: dict[str, int]) -> None:
         tokens[req.req_id] = n
-        self._step_starts.setdefault(step, {})[req.req_id] = req.num_computed_tokens
+        starts[req.req_id] = req.num_computed_tokens
         req.num_computed_tokens += n
         req.last_step = step
         req.resumed = False
-        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+        # `num_tokens_with_placeholders` spelled out, as in `_num_new_tokens`.
+        if req.num_computed_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders:
             req.num_placeholders += 1  # this step samples its next token
         if self.kv.enable_prefix_caching:
             self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
@@ -327,6 +343,8 @@ class Scheduler(DisaggScheduling):
         only ever edits the list being built, never one already shipped. Zeroing a block uses
         it: its owner's blocks are not freed before `step` reports."""
         owners = self.kv.take_blocks_to_zero()
+        if not owners and not self._skip_zero_block_ids:
+            return None  # most decode steps: no request crossed into a new block
         skip, self._skip_zero_block_ids = self._skip_zero_block_ids, set()
         if not self.kv.zeroes_new_blocks:
             return None
@@ -344,10 +362,11 @@ class Scheduler(DisaggScheduling):
         """Apply a finished step: record sampled tokens, check stops, release fenced blocks."""
         if result.step_id != out.step_id:
             raise RuntimeError(f"step {out.step_id} got the result of step {result.step_id}")
-        outputs = []
+        outputs: list[RequestOutput] = []
+        requests, check, emit, finished = self.requests, self.stop.check, outputs.append, RequestStatus.FINISHED
         for req_id, token in result.sampled.items():
-            req = self.requests.get(req_id)
-            if req is None or req.finished:
+            req = requests.get(req_id)
+            if req is None or req.status is finished:
                 continue  # finished while this step ran: the token is surplus
             req.num_placeholders -= 1
             if req.do_remote_decode:
@@ -356,17 +375,17 @@ class Scheduler(DisaggScheduling):
             req.output_token_ids.append(token)
             if req.sampling.logprobs and req_id in result.logprobs:
                 req.output_logprobs.append(result.logprobs[req_id])
-            reason = self.stop.check(req)
+            reason = check(req)
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(self._output(req))
+            emit(self._output(req))
         starts = self._step_starts.pop(out.step_id, {})
         for req_id, why in result.failed_reqs.items():
             outputs.extend(self._worker_failed(out, starts, req_id, why))
         if self.connector is not None:
             outputs.extend(self._transfers_ended(result))
         self.freed.reported(out.step_id)
-        return self.take_outputs() + outputs
+        return self.take_outputs() + outputs if self._outputs else outputs
 
     def _worker_failed(
         self, out: SchedulerOutput, starts: dict[str, int], req_id: str, why: str
@@ -395,11 +414,12 @@ class Scheduler(DisaggScheduling):
         return [self._output(req)]
 
     def _output(self, req: Request) -> RequestOutput:
-        new = req.output_token_ids[req.num_emitted :]
-        logprobs = req.output_logprobs[req.num_emitted :] if req.sampling.logprobs else None
-        req.num_emitted = len(req.output_token_ids)
-        return RequestOutput(
-            req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens, len(req.output_token_ids), req.error
+        emitted, num_outputs = req.num_emitted, len(req.output_token_ids)
+        new = req.output_token_ids[emitted:]
+        logprobs = req.output_logprobs[emitted:] if req.sampling.logprobs else None
+        req.num_emitted = num_outputs
+        return request_output(
+            req.req_id, new, logprobs, req.finish_reason, len(req.prompt_token_ids), num_outputs, req.error
         )
 
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:

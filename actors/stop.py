@@ -17,12 +17,13 @@ class StopChecker:
     def check(self, req: Request) -> str | None:
         """The finish reason after the request's newest output token, or None to go on."""
         params = req.sampling
-        last = req.output_token_ids[-1]
-        if not params.ignore_eos and last == req.eos_token_id:
+        outputs = req.output_token_ids
+        if outputs[-1] == req.eos_token_id and not params.ignore_eos:
             return "stop"
         if params.stop and self._hit_stop_string(req):
             return "stop"
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        num_outputs = len(outputs)  # `num_tokens` spelled out: this runs for every sampled token
+        if num_outputs >= params.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
             return "length"
         return None
 

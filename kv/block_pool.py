@@ -63,7 +63,8 @@ class BlockPool:
         taken = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken

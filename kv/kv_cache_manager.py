@@ -108,6 +108,11 @@ class KVCacheManager:
         self._pending_hits[req_id] = num_hit * self.block_size
         return num_hit * self.block_size
 
+    def fits(self, req_id: str, num_tokens_total: int) -> bool:
+        """Whether the request's blocks already hold `num_tokens_total` tokens in every group,
+        so `allocate_slots` would take nothing: the scheduler asks this first for a decode step."""
+        return num_tokens_total <= self._covered.get(req_id, -1)
+
     def allocate_slots(
         self, req_id: str, num_tokens_total: int, num_new_computed_tokens: int = 0
     ) -> tuple[list[int], ...] | None:
@@ -119,20 +124,23 @@ class KVCacheManager:
         `get_block_ids` for whole tables), or None, changing nothing, when the pool
         cannot satisfy the request.
         """
-        if not num_new_computed_tokens and num_tokens_total <= self._covered.get(req_id, -1):
+        if not num_new_computed_tokens and self.fits(req_id, num_tokens_total):
             # The common decode step: the next token fits the blocks the request owns.
             return tuple([] for _ in self.managers)
         if num_tokens_total < num_new_computed_tokens:
             raise ValueError(f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}")
-        hits = self._take_hit_blocks(req_id, num_new_computed_tokens)
+        hits = self._take_hit_blocks(req_id, num_new_computed_tokens) if num_new_computed_tokens else {}
         needs = [m.get_num_blocks_to_allocate(req_id, num_tokens_total) for m in self.managers]
         if not hits and not any(needs):
             return tuple([] for _ in self.managers)
-        num_new = sum(max(need - len(hits.get(i, ())), 0) for i, need in enumerate(needs))
-        # A hit block sitting in the free queue is counted as free but stops being
-        # free once touched, so it cannot also serve as a new block.
-        num_free_hits = sum(1 for blocks in hits.values() for b in blocks if b.ref_cnt == 0)
-        if num_new + num_free_hits > self.pool.num_free_blocks:
+        if hits:
+            num_new = sum(max(need - len(hits.get(i, ())), 0) for i, need in enumerate(needs))
+            # A hit block sitting in the free queue is counted as free but stops being
+            # free once touched, so it cannot also serve as a new block.
+            num_new += sum(1 for blocks in hits.values() for b in blocks if b.ref_cnt == 0)
+        else:
+            num_new = sum(needs)
+        if num_new > self.pool.num_free_blocks:
             return None
 
         self._pending_hits.pop(req_id, None)
@@ -141,13 +149,18 @@ class KVCacheManager:
             assert isinstance(manager, FullAttentionManager)
             manager.add_cached_blocks(req_id, blocks)
         new_ids: list[list[int]] = []
-        for manager in self.managers:
+        for manager, need in zip(self.managers, needs):
+            if not need:
+                # A group needing nothing before the hits needs nothing after: a decode step
+                # crossing an attention block boundary leaves the Mamba slot alone.
+                new_ids.append([])
+                continue
             ids = [b.block_id for b in manager.allocate_new_blocks(req_id, num_tokens_total)]
             if manager.zeroes_new_blocks:
                 # Prefix hits never get here: their content is valid and must stay.
                 self._blocks_to_zero.update(dict.fromkeys(ids, req_id))
             new_ids.append(ids)
-        self._covered[req_id] = min(m.num_tokens_covered(req_id) for m in self.managers)
+        self._covered[req_id] = min([m.num_tokens_covered(req_id) for m in self.managers])
         return tuple(new_ids)
 
     def _take_hit_blocks(self, req_id: str, num_tokens: int) -> dict[int, list[KVBlock]]:

@@ -86,6 +86,11 @@ class FullAttentionManager(SingleTypeManager):
             return slice(0, 0)
         return slice(start_token // self.block_size, cdiv(end_token, self.block_size))
 
+    def num_required_blocks(self, num_tokens: int) -> int:
+        # `block_span(0, num_tokens).stop` without the slice: asked for every request that
+        # crosses into a new block, every step.
+        return cdiv(num_tokens, self.block_size) if num_tokens > 0 else 0
+
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
         """Cached blocks for the longest prefix of `block_hashes`; the chain stops at
         the first miss because a later block is only valid behind its own prefix."""
@@ -134,3 +139,6 @@ class MambaManager(SingleTypeManager):
     def block_span(self, start_token: int, end_token: int) -> slice:
         # The one state slot holds whatever prefix was computed last, whatever the range.
         return slice(0, 1) if start_token < end_token else slice(0, 0)
+
+    def num_required_blocks(self, num_tokens: int) -> int:
+        return 1 if num_tokens > 0 else 0  # `block_span(0, num_tokens).stop`, as for attention

@@ -310,3 +310,12 @@ def test_reset_prefix_cache():
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == 0
     assert kv.usage == 0.0
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_num_required_blocks_is_the_span_from_token_zero(block_size):
+    """Each manager's shortcut agrees with `block_span`, which the rest of the cache uses."""
+    kv = KVCacheManager([ATT, MAMBA], 8, block_size, enable_prefix_caching=False)
+    for manager in kv.managers:
+        for num_tokens in range(-2, 5 * block_size + 2):
+            assert manager.num_required_blocks(num_tokens) == manager.block_span(0, num_tokens).stop

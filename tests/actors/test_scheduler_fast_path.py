@@ -1,0 +1,79 @@
+"""The decode fast paths give what the general paths give: `KVCacheManager.fits` lets the
+scheduler skip `allocate_slots` for a step within a request's own blocks, and
+`request_output` builds a `RequestOutput` without the frozen dataclass's `__init__`."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import deque
+
+import pytest
+
+from actors.messages import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput, request_output
+from actors.request import Request
+from actors.scheduler import Scheduler, SchedulerConfig
+from actors.stop import StopChecker
+from kv.kv_cache_manager import KVCacheManager
+from models.batch import CacheGroup
+from tests.actors.fake_worker import FakeWorker
+
+HYBRID = [CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3))]
+DENSE = [CacheGroup("attention", (0, 1))]
+
+
+class _GeneralPathKV(KVCacheManager):
+    """Never answers from the covered-tokens shortcut: every step goes through the whole of
+    `allocate_slots`, as before the fast path existed."""
+
+    def fits(self, req_id: str, num_tokens_total: int) -> bool:
+        return False
+
+
+def _trace(kv_cls: type[KVCacheManager], groups, num_blocks: int, async_depth: int, seed: int):
+    """Every step's `SchedulerOutput` and the outputs it produced, over a random workload on a
+    tight pool (preemptions, chunked prefill, eos and length stops), with `async_depth` steps
+    in flight."""
+    rng = random.Random(seed)
+    kv = kv_cls(groups, num_blocks, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(24, 8, 256), kv, StopChecker(None, 256))
+    for i in range(24):
+        prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+        sp = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5)
+        sched.add_request(Request(f"r{i}", prompt, sp, eos_token_id=7))
+    worker = FakeWorker()
+    trace: list[tuple[SchedulerOutput, list[RequestOutput]]] = []
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    for _ in range(2000):
+        if not sched.has_work() and not in_flight:
+            break
+        out = sched.schedule() if len(in_flight) < async_depth else None
+        if out is not None:
+            in_flight.append((out, worker.run(out)))
+        if out is None or len(in_flight) == async_depth:
+            done, result = in_flight.popleft()
+            trace.append((done, sched.update_from_output(done, result)))
+    else:
+        raise AssertionError("the workload did not finish")
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+    return trace, sched.num_preemptions
+
+
+@pytest.mark.parametrize("groups", [HYBRID, DENSE], ids=["hybrid", "dense"])
+@pytest.mark.parametrize("async_depth", [1, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_path_schedules_exactly_as_the_general_path(groups, async_depth, seed):
+    fast, fast_preemptions = _trace(KVCacheManager, groups, 24, async_depth, seed)
+    general, general_preemptions = _trace(_GeneralPathKV, groups, 24, async_depth, seed)
+    assert fast == general
+    assert fast_preemptions == general_preemptions > 0  # the pool really was tight
+
+
+def test_request_output_is_the_constructors_object():
+    args = ("r1", [5, 6], [-0.5, -1.0], "stop", 12, 2, None)
+    built = request_output(*args)
+    assert built == RequestOutput(*args)
+    assert [getattr(built, f.name) for f in dataclasses.fields(RequestOutput)] == [*args, None]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.finish_reason = None  # type: ignore[misc]
