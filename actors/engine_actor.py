@@ -7,6 +7,7 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import uuid
 from typing import Any
@@ -61,6 +62,7 @@ class EngineActor:
         self.core = make_engine(self.config, layouts[0], [w.execute_model.remote for w in self.workers], disagg)
         self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
         self._renewer: asyncio.Task[None] | None = None
+        gc.freeze()  # start-up's objects live as long as the process: keep full collections short
 
     async def ready(self) -> bool:
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cfg = Config(model=args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs, seed=0)
     core, worker = build_local_engine(cfg)
+    gc.freeze()  # as the worker and engine actors do after start-up
     try:
         for line in sys.stdin:
             cmd = json.loads(line)

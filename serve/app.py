@@ -7,6 +7,7 @@ restarts finds the same engines.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import ray
@@ -43,6 +44,7 @@ class Ingress:
         )
         supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
         self._app = create_app(cfg, router, background=supervisor.run)
+        gc.freeze()  # start-up's objects live as long as the replica: keep full collections short
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
