@@ -107,16 +107,7 @@ class WorkerActor:
         self._worker.close()
 
 
-# Host memory of 2 MiB and more (the KV cache above all) on transparent huge pages, through
-# torch's CPU allocator (2 MiB-aligned, madvise(MADV_HUGEPAGE)). A same-host NIXL READ is
-# the kernel's cross-memory attach, which pins and walks the source's pages one by one:
-# 512x fewer pages made it 1.6x faster here (BENCHMARKS.md). Read once per process, so it
-# goes in through the actor's environment, not os.environ after torch started allocating.
-WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
-
 # num_cpus=0: a worker's cores are governed by `num_threads`, not by Ray's CPU accounting,
 # which runs out fast on a 2-core CI machine. Callers that want Ray to place
 # workers by CPU or GPU pass `.options(num_cpus=..., num_gpus=...)`.
-RemoteWorker = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, runtime_env={"env_vars": WORKER_ENV})(
-    WorkerActor
-)
+RemoteWorker = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY)(WorkerActor)

@@ -12,8 +12,8 @@
 - `gloo`: `torch.distributed` send/recv between the two actors (TCP on loopback), straight
   into the decode cache's pages, timed on the receiver from a barrier.
 
-Every process allocates its host memory as a raypd worker does (`WORKER_ENV`: transparent
-huge pages), so the limit and the paths copy between the same kind of pages.
+Every endpoint's host buffers are allocated as a raypd worker's KV cache is (on transparent
+huge pages, kv/host_pages.py), so the limit and the paths copy between the same kind of pages.
 
 A block is `--buffers` pages, one per cache buffer (the layers of kv/cache_layout.py), of
 `block_mib / buffers` MiB each. Sizes: every `--blocks` count for every `--block-mib`,
@@ -44,8 +44,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from actors.worker_actor import WORKER_ENV
 from bench.cma import read_spans
+from kv.host_pages import huge_page_zeros
 from kv.nixl_worker import NixlWorkerConnector, PeerInfo
 from kv.transfer_params import KVTransferParams
 
@@ -80,17 +80,24 @@ class Row:
     gb_per_s: float
 
 
-@ray.remote(num_cpus=0, runtime_env={"env_vars": WORKER_ENV})
+def _pages(num_blocks: int, page_bytes: int, device: str, gen: torch.Generator | None) -> torch.Tensor:
+    """A cache buffer allocated as a worker's is (host: huge pages), random bytes from `gen` or zeros."""
+    if device == "cpu":
+        buf = huge_page_zeros(num_blocks, page_bytes)
+        return buf.random_(0, 256, generator=gen) if gen is not None else buf
+    if gen is None:
+        return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)
+    return torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8, generator=gen).to(device)
+
+
+@ray.remote(num_cpus=0)
 class Endpoint:
     """One worker's cache buffers, its NIXL connector and a gloo rank, in its own process."""
 
     def __init__(self, name: str, buffers: int, num_blocks: int, page_bytes: int, seed: int, device: str) -> None:
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(seed)
-        self.bufs = [
-            torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8, generator=g).to(device)
-            for _ in range(buffers)
-        ]
+        self.bufs = [_pages(num_blocks, page_bytes, device, g) for _ in range(buffers)]
         self.conn = NixlWorkerConnector(name, self.bufs, page_bytes, num_blocks)
         self.peer: ray.actor.ActorHandle | None = None
         self.loads = 0
@@ -170,17 +177,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(num_cpus=0, runtime_env={"env_vars": WORKER_ENV})
+@ray.remote(num_cpus=0)
 class Memcpy:
     """The limit: the same pages copied by one thread in one process."""
 
     def __init__(self, num_blocks: int, page_bytes: int, buffers: int, device: str) -> None:
         torch.set_num_threads(1)
         self.device = torch.device(device)
-        self.src = [
-            torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8).to(device) for _ in range(buffers)
-        ]
-        self.dst = [torch.zeros_like(s) for s in self.src]
+        g = torch.Generator().manual_seed(0)
+        self.src = [_pages(num_blocks, page_bytes, device, g) for _ in range(buffers)]
+        self.dst = [_pages(num_blocks, page_bytes, device, None) for _ in range(buffers)]
 
     def load(self, blocks: int) -> float:
         t0 = time.perf_counter()

@@ -36,7 +36,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from actors.worker_actor import WORKER_ENV
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
 from bench.peer_servers import free_port, raypd_command, running, vllm_command, vllm_env
@@ -119,7 +118,7 @@ def _offline(model: Path, args: argparse.Namespace, work: Path) -> dict[str, dic
                 "--threads",
                 str(args.threads),
             ],
-            env | WORKER_ENV,  # its worker allocates as a worker actor does
+            env,
             work,
         ),
         "vllm": _OfflineEngine(

@@ -6,10 +6,7 @@ the driver's session would compete with everything else started from there):
 
     {"prompts": [[token ids], ...], "batch": 32, "max_tokens": 64, "out": "/path/result.json"}
 
-    THP_MEM_ALLOC_ENABLE=1 python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1
-
-`bench.peers` starts it with the worker actor's environment (`WORKER_ENV`: host memory on
-transparent huge pages, read by torch once per process), so it computes as a served worker does.
+    python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1
 """
 
 from __future__ import annotations

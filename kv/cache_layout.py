@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv.host_pages import huge_page_zeros
 from models.batch import CacheGroup, LayerCache
 from models.config import ModelConfig
 
@@ -124,8 +125,12 @@ def allocate_caches(
     Memory starts zeroed, so a dense model's pages only ever hold K/V of one dtype; in a
     hybrid model a page keeps whatever its last owner left, which is what zero-on-allocate
     is for."""
+    on_host = torch.device(device).type == "cpu"  # host pages on huge pages: kv/host_pages.py
     buffers = [
-        torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device) for _ in layout.buffers
+        huge_page_zeros(layout.num_blocks, layout.page_bytes)
+        if on_host
+        else torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device)
+        for _ in layout.buffers
     ]
     kinds = {layer: g.kind for g in layout.groups for layer in g.layer_ids}
     views: dict[int, LayerCache] = {}

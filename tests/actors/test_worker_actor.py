@@ -123,8 +123,8 @@ def _huge_kib_at(pid: int, addr: int) -> int:
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
 def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
-    """A same-host READ walks the source's pages one by one (BENCHMARKS.md): the worker asks
-    for transparent huge pages, which this kernel gives only to memory that requests them."""
+    """A same-host READ walks the source's pages one by one (kv/host_pages.py): the worker's
+    cache asks for transparent huge pages, which this kernel gives only to memory that asks."""
     handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8192), num_threads=1)
     try:
         layout = ray.get(handle.layout.remote())
