@@ -129,8 +129,11 @@ def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
     try:
         layout = ray.get(handle.layout.remote())
         assert layout.num_blocks * layout.page_bytes >= 8 << 20, layout
+        # Pages arrive on first touch (a step or a READ writes them); touch them all here.
         pid, addrs = ray.get(
-            handle.__ray_call__.remote(lambda self: (os.getpid(), [b.data_ptr() for b in self._worker.buffers]))
+            handle.__ray_call__.remote(
+                lambda self: (os.getpid(), [b.fill_(0).data_ptr() for b in self._worker.buffers])
+            )
         )
         assert all(_huge_kib_at(pid, a) >= 2048 for a in addrs)
     finally:

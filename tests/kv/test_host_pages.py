@@ -26,6 +26,7 @@ def test_buffer_is_zeroed_aligned_and_writable():
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the request")
 def test_buffer_sits_on_huge_pages():
     buf = huge_page_zeros(4, 4 << 20)
+    buf.fill_(1)  # pages arrive on first touch
     assert _huge_kib_at(os.getpid(), buf.data_ptr()) >= 4 * 4 * 1024
-    plain = torch.zeros(4, 4 << 20, dtype=torch.uint8)
+    plain = torch.ones(4, 4 << 20, dtype=torch.uint8)
     assert _huge_kib_at(os.getpid(), plain.data_ptr()) == 0  # what the request changes
