@@ -2,34 +2,54 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from models.tensor_parallel import SINGLE, TPGroup
 
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available()
-_ONEDNN_MIN_ROWS = 8
+# The batch size oneDNN lays a packed weight out for; any other size reads it as well
+# (1-1024 rows measured: at or above the unpacked matmul everywhere).
+_PACK_ROWS = 32
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose fp32 inference on CPU runs oneDNN's matmul from 8 rows up. torch
-    sends fp32 CPU matmuls to MKL, whose kernels on this machine's AMD EPYC ran 1.2-1.45x
-    slower than oneDNN's (an AVX-512 JIT that does not depend on the CPU's vendor) at 8-256
-    rows with the weights out of cache; below 8 rows the matmul streams the weights and both
-    are as fast. With gradients, half precision or on other devices it is `nn.Linear` as is
-    (oneDNN's op has no autograd)."""
+    """`nn.Linear` that, once `pack`ed, runs its fp32 CPU inference on a weight held in oneDNN's
+    blocked layout. torch's own fp32 CPU matmul (MKL) reads the plain [out, in] weight; on this
+    machine's AMD EPYC the packed oneDNN matmul was 1.2x faster at one row (a decode step at
+    batch 1 streams every weight once), 1.5-1.9x at 4-16 rows and 1.05-1.3x at 64-1024, with
+    the weights out of cache. Unpacked (training, half precision, other devices) it is
+    `nn.Linear` as is: oneDNN's op has no autograd."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, keep_weight: bool) -> None:
+        """Lay the weight out for oneDNN. The plain weight is then dead weight in memory and is
+        released unless `keep_weight` (a weight shared with another module, as a tied LM head
+        shares the embedding's)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            _ONEDNN_LINEAR
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and x.numel() >= _ONEDNN_MIN_ROWS * x.shape[-1]
-            and not torch.is_grad_enabled()
-        ):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Pack every fp32 CPU `Linear` of an inference model (see `Linear`); a no-op where oneDNN
+    is missing or the weights are not fp32 on the CPU. After this the model serves inference
+    only: its packed layers have no gradients and cannot change dtype or device."""
+    if not torch.backends.mkldnn.is_available():
+        return
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for module in model.modules():
+        weight = module.weight if isinstance(module, Linear) else None
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            module.pack(keep_weight=uses[id(weight)] > 1)
 
 
 class RMSNorm(nn.Module):

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from models.config import ConfigError, ModelConfig
+from models.layers import pack_linears
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
@@ -132,8 +133,8 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: TPGroup = SINGLE,
 ) -> LoadedModel:
-    """Build the model for `config.json`, fill it from safetensors, cast to `dtype` (default:
-    the checkpoint's dtype) and move it to `device`. Under tensor parallelism the model is
+    """Build the inference model for `config.json`, fill it from safetensors, cast to `dtype`
+    (default: the checkpoint's dtype), move it to `device` and pack its fp32 CPU linears. Under tensor parallelism the model is
     rank `tp.rank`'s share and the returned config is that rank's local config."""
     path = Path(model_dir)
     if not path.is_dir():
@@ -151,6 +152,7 @@ def load_model(
     weights, original = _read_weights(path)
     _assign(model, shard_weights(cfg, weights, tp.rank, tp.size), original, cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
+    pack_linears(model)
     generation, eos = load_generation_config(path, cfg)
     return LoadedModel(model, local, tokenizer, eos, generation, _chat_template(path))
 
