@@ -7,7 +7,6 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
-import gc
 import socket
 import uuid
 from typing import Any
@@ -18,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.build import Role, check_tp, disagg_config, make_engine, worker_config
 from actors.config import Config
 from actors.messages import EngineStats, RequestOutput, SamplingParams
+from actors.startup import freeze_startup_objects
 from actors.worker_actor import RemoteWorker
 from kv.lease import LeaseRenewer
 from kv.nixl_worker import PeerInfo
@@ -62,7 +62,7 @@ class EngineActor:
         self.core = make_engine(self.config, layouts[0], [w.execute_model.remote for w in self.workers], disagg)
         self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
         self._renewer: asyncio.Task[None] | None = None
-        gc.freeze()  # start-up's objects live as long as the process: keep full collections short
+        freeze_startup_objects()
 
     async def ready(self) -> bool:
         return True

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from actors.build import build_local_engine
 from actors.config import Config
 from actors.engine import EngineCore
 from actors.messages import SamplingParams
+from actors.startup import freeze_startup_objects
 
 
 async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -45,7 +45,7 @@ async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cfg = Config(model=args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs, seed=0)
     core, worker = build_local_engine(cfg)
-    gc.freeze()  # as the worker and engine actors do after start-up
+    freeze_startup_objects()  # as the worker and engine actors do
     try:
         for line in sys.stdin:
             cmd = json.loads(line)

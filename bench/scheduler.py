@@ -16,7 +16,6 @@ The last line is JSON: `sched_share_256`, the share at 256 running requests.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from actors.messages import ModelRunnerOutput, SamplingParams
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
+from actors.startup import freeze_startup_objects
 from actors.stop import StopChecker
 from actors.worker import Worker, WorkerConfig
 from kv.kv_cache_manager import KVCacheManager
@@ -63,7 +63,7 @@ def _share(model: Path, running: int, steps: int, dtype: str, device: str) -> tu
     blocks = running * (cdiv(prompt_len + steps + 4, block_size) + 1) + 8
     worker = Worker(WorkerConfig(str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=blocks))
     layout = worker.layout
-    gc.freeze()  # as the worker actor does after start-up: full collections skip what start-up made
+    freeze_startup_objects()  # as the worker actor does
     try:
         kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, enable_prefix_caching=False)
         sched = Scheduler(

@@ -7,7 +7,6 @@ restarts finds the same engines.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import ray
@@ -17,6 +16,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
 from actors.config import Config
+from actors.startup import freeze_startup_objects
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from api.errors import RETRY_AFTER_S
 from api.migration import MigrationPolicy
@@ -44,7 +44,7 @@ class Ingress:
         )
         supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
         self._app = create_app(cfg, router, background=supervisor.run)
-        gc.freeze()  # start-up's objects live as long as the replica: keep full collections short
+        freeze_startup_objects()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

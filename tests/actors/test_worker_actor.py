@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 import ray
@@ -15,6 +14,7 @@ from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker import WorkerConfig
 from actors.worker_actor import RemoteWorker, WorkerActor
 from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
+from tests.huge_pages import huge_kib_at, thp_mode
 from tests.models.hf_fixtures import save_hf_model
 
 
@@ -99,29 +99,7 @@ def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
     worker.shutdown()
 
 
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "absent"
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
-def _huge_kib_at(pid: int, addr: int) -> int:
-    """AnonHugePages of the mapping of process `pid` that holds `addr`."""
-    inside = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping of pid {pid} holds {addr:#x}")
-
-
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
+@pytest.mark.skipif(thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
 def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
     """A same-host READ walks the source's pages one by one (kv/host_pages.py): the worker's
     cache asks for transparent huge pages, which this kernel gives only to memory that asks."""
@@ -135,7 +113,7 @@ def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
                 lambda self: (os.getpid(), [b.fill_(0).data_ptr() for b in self._worker.buffers])
             )
         )
-        assert all(_huge_kib_at(pid, a) >= 2048 for a in addrs)
+        assert all(huge_kib_at(pid, a) >= 2048 for a in addrs)
     finally:
         ray.get(handle.shutdown.remote())
         ray.kill(handle)

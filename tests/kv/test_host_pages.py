@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv.host_pages import HUGE_PAGE, huge_page_zeros
-from tests.actors.test_worker_actor import _huge_kib_at, _thp_mode
+from tests.huge_pages import huge_kib_at, thp_mode
 
 
 def test_buffer_is_zeroed_aligned_and_writable():
@@ -23,10 +23,10 @@ def test_buffer_is_zeroed_aligned_and_writable():
     assert int(buf.sum()) == 9
 
 
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the request")
+@pytest.mark.skipif(thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the request")
 def test_buffer_sits_on_huge_pages():
     buf = huge_page_zeros(4, 4 << 20)
     buf.fill_(1)  # pages arrive on first touch
-    assert _huge_kib_at(os.getpid(), buf.data_ptr()) >= 4 * 4 * 1024
+    assert huge_kib_at(os.getpid(), buf.data_ptr()) >= 4 * 4 * 1024
     plain = torch.ones(4, 4 << 20, dtype=torch.uint8)
-    assert _huge_kib_at(os.getpid(), plain.data_ptr()) == 0  # what the request changes
+    assert huge_kib_at(os.getpid(), plain.data_ptr()) == 0  # what the request changes
