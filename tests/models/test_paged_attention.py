@@ -1,0 +1,58 @@
+"""Decode attention over paged K/V: it equals attention over each request's own tokens, a NaN in
+an unused slot of a block the request owns reaches the output (what makes zero-on-allocate
+necessary), and pages a request does not own never do."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+from models.attention import paged_attention
+from models.batch import CacheGroup, SeqChunk, build_forward_batch
+
+BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 8, 16
+GROUPS = (CacheGroup("attention", (0,)),)
+
+
+def _pages() -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views over head-major pages, as kv/cache_layout.py lays them out."""
+    torch.manual_seed(0)
+    kv = torch.randn(BLOCKS, 2, KV_HEADS, BLOCK, DIM)
+    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+
+
+def _decode(computed: list[int], blocks: list[list[int]], k_cache: torch.Tensor, v_cache: torch.Tensor):
+    chunks = [SeqChunk([1], n, [ids]) for n, ids in zip(computed, blocks)]
+    batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
+    q = torch.randn(len(chunks), HEADS, DIM)
+    k, v = torch.randn(len(chunks), KV_HEADS, DIM), torch.randn(len(chunks), KV_HEADS, DIM)
+    out = paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], DIM**-0.5)
+    return q, out
+
+
+def _own_tokens(cache: torch.Tensor, ids: list[int], length: int) -> torch.Tensor:
+    """[KV_HEADS, length, DIM]: the request's tokens read block by block."""
+    return torch.cat([cache[b] for b in ids])[:length].transpose(0, 1)
+
+
+def test_decode_equals_attention_over_each_requests_own_tokens():
+    k_cache, v_cache = _pages()
+    computed, blocks = [5, 1, 11], [[3, 7], [9], [2, 12, 4]]
+    q, out = _decode(computed, blocks, k_cache, v_cache)
+    for r, (n, ids) in enumerate(zip(computed, blocks)):
+        keys, values = _own_tokens(k_cache, ids, n + 1), _own_tokens(v_cache, ids, n + 1)
+        want = F.scaled_dot_product_attention(
+            q[r][:, None], keys, values, scale=DIM**-0.5, enable_gqa=True
+        )  # query head h reads KV head h // (HEADS // KV_HEADS)
+        torch.testing.assert_close(out[r], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_nan_in_an_owned_unused_slot_reaches_the_output_and_other_pages_do_not():
+    k_cache, v_cache = _pages()
+    v_cache[7, 3] = float("nan")  # request 0's second block, a slot past its position
+    k_cache[0] = v_cache[0] = float("nan")  # nobody's page: request 1's table padding points at it
+    _, out = _decode([5, 1], [[3, 7], [9]], k_cache, v_cache)
+    assert out[0].isnan().all()
+    assert math.isfinite(out[1].sum().item())
