@@ -39,10 +39,15 @@ def chunk_scan(
     initial: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan in fp32. x: [B, T, H, P]; dt: [B, T, H] (already softplus'd and
-    clamped); a, d: [H]; b, c: [B, T, H, N]; initial: [B, H, P, N] or None.
-    Returns y [B, T, H, P] and the final state [B, H, P, N].
-    Padding positions get dt = 0, which neither decays nor feeds the state."""
+    clamped); a, d: [H]; b, c: [B, T, G, N], one per group of H / G consecutive heads;
+    initial: [B, H, P, N] or None. Returns y [B, T, H, P] and the final state [B, H, P, N].
+    Padding positions get dt = 0, which neither decays nor feeds the state.
+
+    B and C are shared by the heads of a group, so every product with them is taken once per
+    group and the heads enter as a second index (h = g * R + r), never as copies of B and C."""
     bsz, length, heads, pdim = x.shape
+    groups = b.shape[2]
+    rep = heads // groups
     pad = (chunk - length % chunk) % chunk
     x, dt, b, c = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, b, c))
     residual = x * d[:, None]
@@ -53,19 +58,26 @@ def chunk_scan(
         return t.reshape(bsz, -1, chunk, *t.shape[2:])
 
     xd, adt, b, c = chunks(xd), chunks(adt), chunks(b), chunks(c)
+    num_chunks = xd.shape[1]
     adt = adt.permute(0, 3, 1, 2)  # [B, H, C, L]
     cum = torch.cumsum(adt, dim=-1)
     decay = torch.exp(_segment_sum(adt))  # [B, H, C, L, S]
-    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", c, b, decay, xd)
-    decay_states = torch.exp(cum[..., -1:] - cum)
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", b, decay_states, xd)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", c, b)  # [B, G, C, L, S]
+    weights = decay.view(bsz, groups, rep, num_chunks, chunk, chunk) * scores[:, :, None]
+    y_diag = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, xd.view(*xd.shape[:3], groups, rep, pdim))
+    decay_states = torch.exp(cum[..., -1:] - cum)  # [B, H, C, L]
+    weighted = xd * decay_states.permute(0, 2, 3, 1)[..., None]  # [B, C, L, H, P]
+    states = torch.einsum("bclgn,bclgrp->bcgrpn", b, weighted.view(*weighted.shape[:3], groups, rep, pdim))
+    states = states.reshape(bsz, num_chunks, heads, pdim, -1)
     start = initial[:, None] if initial is not None else torch.zeros_like(states[:, :1])
     states = torch.cat([start, states], dim=1)
     decay_chunk = torch.exp(_segment_sum(F.pad(cum[..., -1], (1, 0))))  # [B, H, C+1, C+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final = states[:, :-1], states[:, -1]
-    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states, torch.exp(cum))
-    y = (y_diag + y_off).reshape(bsz, -1, heads, pdim) + residual
+    grouped = states.reshape(bsz, num_chunks, groups, rep, pdim, -1)
+    y_off = torch.einsum("bclgn,bcgrpn->bclgrp", c, grouped).reshape(bsz, num_chunks, chunk, heads, pdim)
+    y_off = y_off * torch.exp(cum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag.reshape(bsz, num_chunks, chunk, heads, pdim) + y_off).reshape(bsz, -1, heads, pdim) + residual
     return y[:, :length], final
 
 
@@ -97,12 +109,11 @@ class Mamba2Mixer(nn.Module):
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.spec.time_step_min)
 
     def _ssm_inputs(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split conv output into x [.., H, P] and B, C expanded from groups to heads [.., H, N]."""
+        """Split conv output into x [.., H, P] and B, C per group [.., G, N]."""
         s = self.spec
         x, b, c = xbc.split([s.intermediate_size, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
-        rep = s.num_heads // s.n_groups
-        b = b.unflatten(-1, (s.n_groups, s.state_size)).float().repeat_interleave(rep, dim=-2)
-        c = c.unflatten(-1, (s.n_groups, s.state_size)).float().repeat_interleave(rep, dim=-2)
+        b = b.unflatten(-1, (s.n_groups, s.state_size)).float()
+        c = c.unflatten(-1, (s.n_groups, s.state_size)).float()
         return x.unflatten(-1, (s.num_heads, s.head_dim)).float(), b, c
 
     def _conv(self, xbc: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +192,8 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         x, b, c = self._ssm_inputs(F.silu(out))
+        rep = self.spec.num_heads // self.spec.n_groups
+        b, c = b.repeat_interleave(rep, dim=-2), c.repeat_interleave(rep, dim=-2)  # per head, [R, H, N]
         step = self._dt(dt[idx])  # [R, H]
         y[idx] = ssm_step(ssm_cache, s, torch.exp(step * a), step[..., None] * x, b, c) + x * self.D.float()[:, None]
 
