@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bench.cma import read_spans
-from kv.host_pages import huge_page_zeros
+from kv.cache_layout import page_buffer
 from kv.nixl_worker import NixlWorkerConnector, PeerInfo
 from kv.transfer_params import KVTransferParams
 
@@ -81,13 +81,11 @@ class Row:
 
 
 def _pages(num_blocks: int, page_bytes: int, device: str, gen: torch.Generator | None) -> torch.Tensor:
-    """A cache buffer allocated as a worker's is (host: huge pages), random bytes from `gen` or zeros."""
-    if device == "cpu":
-        buf = huge_page_zeros(num_blocks, page_bytes)
-        return buf.random_(0, 256, generator=gen) if gen is not None else buf
-    if gen is None:
-        return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)
-    return torch.randint(0, 256, (num_blocks, page_bytes), dtype=torch.uint8, generator=gen).to(device)
+    """A cache buffer allocated as a worker's is, random bytes from `gen` or zeros."""
+    buf = page_buffer(num_blocks, page_bytes, device)
+    if gen is not None:  # drawn on the host: `gen` is a CPU generator
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    return buf
 
 
 @ray.remote(num_cpus=0)

@@ -117,6 +117,14 @@ def plan_layout(
     return layout
 
 
+def page_buffer(num_blocks: int, page_bytes: int, device: torch.device | str) -> torch.Tensor:
+    """One zeroed cache buffer, [num_blocks, page_bytes] bytes; on the host it sits on huge
+    pages, which a same-host NIXL READ copies from fastest (kv/host_pages.py)."""
+    if torch.device(device).type == "cpu":
+        return huge_page_zeros(num_blocks, page_bytes)
+    return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)
+
+
 def allocate_caches(
     layout: CacheLayout, cfg: ModelConfig, device: torch.device | str
 ) -> tuple[list[torch.Tensor], dict[int, LayerCache]]:
@@ -125,13 +133,7 @@ def allocate_caches(
     Memory starts zeroed, so a dense model's pages only ever hold K/V of one dtype; in a
     hybrid model a page keeps whatever its last owner left, which is what zero-on-allocate
     is for."""
-    on_host = torch.device(device).type == "cpu"  # host pages on huge pages: kv/host_pages.py
-    buffers = [
-        huge_page_zeros(layout.num_blocks, layout.page_bytes)
-        if on_host
-        else torch.zeros((layout.num_blocks, layout.page_bytes), dtype=torch.uint8, device=device)
-        for _ in layout.buffers
-    ]
+    buffers = [page_buffer(layout.num_blocks, layout.page_bytes, device) for _ in layout.buffers]
     kinds = {layer: g.kind for g in layout.groups for layer in g.layer_ids}
     views: dict[int, LayerCache] = {}
     for buf, layers in zip(buffers, layout.buffers):

@@ -15,23 +15,14 @@ worker actor start about 0.5 s slower).
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import mmap
-import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
-
-
-def _advise(addr: int, length: int) -> None:
-    """Ask for huge pages on [addr, addr + length); a refusal leaves ordinary pages."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(addr, length, _MADV_HUGEPAGE)
+# Linux only; elsewhere the memory stays ordinary.
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def huge_page_zeros(rows: int, cols: int) -> torch.Tensor:
@@ -41,7 +32,8 @@ def huge_page_zeros(rows: int, cols: int) -> torch.Tensor:
     # Private: a shared anonymous mapping is shmem, whose huge pages a separate knob governs.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[start : start + nbytes]
-    _advise(buf.data_ptr(), nbytes)
-    return buf.view(rows, cols)
+    start = -raw.data_ptr() % HUGE_PAGE  # a multiple of the base page: the mapping starts on one
+    if _MADV_HUGEPAGE is not None and nbytes:
+        with contextlib.suppress(OSError):  # a kernel without THP refuses: ordinary pages then
+            region.madvise(_MADV_HUGEPAGE, start, nbytes)
+    return raw[start : start + nbytes].view(rows, cols)
