@@ -1,7 +1,7 @@
 """Async client of one engine: submit a request, stream its tokens, abort it.
 
-The engine hands out outputs in batches (one message per step for all requests); a single
-poller task fans them out to per-request queues. The same client drives an in-process
+The engine hands out outputs in batches (one `OutputBatch` per step for all requests); a
+single poller task fans them out to per-request queues. The same client drives an in-process
 `EngineCore` (tests, `bench --mode local`) and an `EngineActor` over Ray.
 """
 
@@ -17,7 +17,14 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from actors.messages import ENGINE_FAILURE, EngineFailedError, InvalidRequestError, RequestOutput, SamplingParams
+from actors.messages import (
+    ENGINE_FAILURE,
+    EngineFailedError,
+    InvalidRequestError,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ class EngineCalls:
 
     add_request: Callable[..., Awaitable[None]]
     abort: Callable[[str], Awaitable[None]]
-    get_outputs: Callable[[float], Awaitable[list[RequestOutput]]]
+    get_outputs: Callable[[float], Awaitable[list[OutputBatch]]]
 
     @classmethod
     def local(cls, core: Any) -> EngineCalls:
@@ -67,7 +74,7 @@ class EngineCalls:
         async def abort(req_id: str) -> None:
             await _unowned(slot.handle.abort.remote, req_id)
 
-        async def get(timeout: float) -> list[RequestOutput]:
+        async def get(timeout: float) -> list[OutputBatch]:
             return await _unowned(slot.handle.get_outputs.remote, timeout)
 
         return cls(add, abort, get)
@@ -165,10 +172,11 @@ class EngineClient:
                         RequestOutput(req_id, [], None, "error", error=f"{ENGINE_FAILURE}unreachable: {e!r}")
                     )
                 return
-            for out in outputs:
-                q = self._queues.get(out.req_id)
-                if q is not None:
-                    q.put_nowait(out)
+            for batch in outputs:
+                for out in batch:
+                    q = self._queues.get(out.req_id)
+                    if q is not None:
+                        q.put_nowait(out)
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -24,6 +24,7 @@ from actors.messages import (
     EngineStats,
     InvalidRequestError,
     ModelRunnerOutput,
+    OutputBatch,
     RequestOutput,
     SamplingParams,
     SchedulerOutput,
@@ -62,7 +63,7 @@ class EngineCore:
         self.depth = 2 if async_scheduling else 1
         self.eos_token_id = eos_token_id
         self.max_waiting = max_waiting
-        self._outputs: list[RequestOutput] = []
+        self._outputs: list[OutputBatch] = []
         self._has_outputs = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -102,7 +103,7 @@ class EngineCore:
                 prompt = prompt[:-1]
                 sampling = dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
                 if not prompt:
-                    self._publish([self._empty_hand_over(req_id)])
+                    self._publish(OutputBatch(others=[self._empty_hand_over(req_id)]))
                     return
             self.scheduler.add_request(
                 Request(
@@ -134,11 +135,12 @@ class EngineCore:
     def abort(self, req_id: str) -> None:
         out = self.scheduler.abort(req_id)
         if out is not None:
-            self._publish([out])
+            self._publish(OutputBatch(others=[out]))
         self._wake.set()
 
-    async def get_outputs(self, timeout: float | None = None) -> list[RequestOutput]:
-        """Everything produced since the last call: one message per step for all requests."""
+    async def get_outputs(self, timeout: float | None = None) -> list[OutputBatch]:
+        """Everything produced since the last call: one batch per step for all requests, to be
+        applied in order."""
         if not self._outputs:
             try:
                 await asyncio.wait_for(self._has_outputs.wait(), timeout)
@@ -187,10 +189,10 @@ class EngineCore:
 
     # -- loop -------------------------------------------------------------------------
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            self.phases.outputs(outputs)
-            self._outputs.extend(outputs)
+    def _publish(self, batch: OutputBatch) -> None:
+        if batch:
+            self.phases.outputs(batch)
+            self._outputs.append(batch)
             self._has_outputs.set()
 
     def _ensure_running(self) -> None:
@@ -214,7 +216,8 @@ class EngineCore:
             self._wake.clear()
             if len(flight) < self.depth and self.scheduler.has_work():
                 out = self.scheduler.schedule()
-                self._publish(self.scheduler.take_outputs())
+                if ended := self.scheduler.take_outputs():
+                    self._publish(OutputBatch(others=ended))
                 if out is not None:
                     self.phases.scheduled(out.num_scheduled_tokens)
                     flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
@@ -254,4 +257,4 @@ class EngineCore:
                         error=ENGINE_FAILURE + why,
                     )
                 )
-        self._publish(failed)
+        self._publish(OutputBatch(others=failed))

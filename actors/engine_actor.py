@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.build import Role, check_tp, disagg_config, make_engine, worker_config
 from actors.config import Config
-from actors.messages import EngineStats, RequestOutput, SamplingParams
+from actors.messages import EngineStats, OutputBatch, SamplingParams
 from actors.startup import freeze_startup_objects
 from actors.worker_actor import RemoteWorker
 from kv.lease import LeaseRenewer
@@ -115,7 +115,7 @@ class EngineActor:
     async def abort(self, req_id: str) -> None:
         self.core.abort(req_id)
 
-    async def get_outputs(self, timeout: float) -> list[RequestOutput]:
+    async def get_outputs(self, timeout: float) -> list[OutputBatch]:
         return await self.core.get_outputs(timeout)
 
     async def inject_worker_faults(self, num_steps: int) -> None:

@@ -1,7 +1,7 @@
 """Typed messages between the scheduler, its workers and the engine's clients.
 
 Each step the scheduler sends one `SchedulerOutput` to every worker and gets one
-`ModelRunnerOutput` back; clients get `RequestOutput` batches. They are plain dataclasses of
+`ModelRunnerOutput` back; clients get one `OutputBatch` per step. They are plain dataclasses of
 ints, strings and lists, so they cross Ray without pickling anything but data. Workers keep
 the token history of every running request themselves, so after a request's first step
 only counts and new block ids travel, and a decode step under async scheduling can name a
@@ -10,6 +10,7 @@ token the scheduler has not seen yet (it is still being sampled by the previous 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -180,8 +181,9 @@ def request_output(
     error: str | None,
 ) -> RequestOutput:
     """`RequestOutput(...)` without `kv_transfer_params`, the same object built in half the
-    time. The scheduler builds one per running request per step, and a frozen dataclass's
-    `__init__` sets every field through `object.__setattr__`, which looks each one up again."""
+    time. A client builds one per running request per step from an `OutputBatch`, and a frozen
+    dataclass's `__init__` sets every field through `object.__setattr__`, which looks each one
+    up again."""
     out = object.__new__(RequestOutput)
     s_id, s_new, s_logprobs, s_reason, s_prompt, s_output, s_error, s_params = _SET_REQUEST_OUTPUT
     s_id(out, req_id)
@@ -193,6 +195,33 @@ def request_output(
     s_error(out, error)
     s_params(out, None)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """What one step (or one abort) produced for the clients. The common decode step, one new
+    token for a request that goes on, travels as parallel flat lists (`req_ids[i]` got
+    `token_ids[i]`, its `num_output_tokens[i]`-th output): no object per request and step for
+    the scheduler to build and Ray to pickle. Everything else (a finish, an error, logprobs, a
+    hand-over) is a whole `RequestOutput` in `others`, which comes after the tokens: a request
+    in both got its token first."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    others: list[RequestOutput] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids) + len(self.others)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Every output as a `RequestOutput`, in the order a client must apply them."""
+        for req_id, token, num_prompt, num_output in zip(
+            self.req_ids, self.token_ids, self.num_prompt_tokens, self.num_output_tokens, strict=True
+        ):
+            yield request_output(req_id, [token], None, None, num_prompt, num_output, None)
+        yield from self.others
 
 
 @dataclass(frozen=True, slots=True)

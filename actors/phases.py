@@ -12,10 +12,10 @@ skew the numbers. The engine loop calls in; nothing here touches the scheduler.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from actors.messages import RequestOutput
+from actors.messages import OutputBatch
 from kv.transfer_stats import PHASE_BUCKETS, Histogram
 
 PHASES = ("queue", "prefill", "decode")
@@ -33,28 +33,46 @@ class RequestPhases:
     clock: Callable[[], float] = time.monotonic
     histograms: dict[str, Histogram] = field(default_factory=lambda: {p: Histogram(PHASE_BUCKETS) for p in PHASES})
     _marks: dict[str, _Marks] = field(default_factory=dict)
+    # The requests not yet started, and those started with no token out yet: each step looks
+    # only at these, not at every running request.
+    _unstarted: dict[str, _Marks] = field(default_factory=dict)
+    _no_token: dict[str, _Marks] = field(default_factory=dict)
 
     def arrived(self, req_id: str) -> None:
-        self._marks[req_id] = _Marks(self.clock())
+        self._marks[req_id] = self._unstarted[req_id] = _Marks(self.clock())
 
     def scheduled(self, num_scheduled_tokens: Mapping[str, int]) -> None:
-        now = None
-        for req_id, n in num_scheduled_tokens.items():
-            marks = self._marks.get(req_id)
-            if n and marks is not None and marks.started is None:
-                marks.started = now = now or self.clock()
-
-    def outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        if not self._unstarted:
+            return
         now = self.clock()
-        for out in outputs:
+        unstarted = self._unstarted
+        if len(unstarted) < len(num_scheduled_tokens):  # whichever is shorter: a long queue, or a big batch
+            started = [r for r in unstarted if num_scheduled_tokens.get(r)]
+        else:
+            started = [r for r, n in num_scheduled_tokens.items() if n and r in unstarted]
+        for req_id in started:
+            marks = self._no_token[req_id] = unstarted.pop(req_id)
+            marks.started = now
+
+    def outputs(self, batch: OutputBatch) -> None:
+        now = self.clock()
+        if self._no_token:
+            for req_id in batch.req_ids:
+                marks = self._no_token.pop(req_id, None)
+                if marks is not None:
+                    marks.first_token = now
+        for out in batch.others:
             marks = self._marks.get(out.req_id)
             if marks is None:
                 continue
             if marks.first_token is None and (out.new_token_ids or out.kv_transfer_params):
                 marks.first_token = now
+                self._no_token.pop(out.req_id, None)
             if out.finish_reason is None:
                 continue
             del self._marks[out.req_id]
+            self._unstarted.pop(out.req_id, None)
+            self._no_token.pop(out.req_id, None)
             if out.finish_reason not in ("stop", "length") or marks.started is None or marks.first_token is None:
                 continue
             self.histograms["queue"].observe(marks.started - marks.arrival)

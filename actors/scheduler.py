@@ -31,6 +31,7 @@ from actors.messages import (
     InvalidRequestError,
     ModelRunnerOutput,
     NewRequestData,
+    OutputBatch,
     RequestOutput,
     SchedulerOutput,
     request_output,
@@ -59,6 +60,7 @@ class Scheduler(DisaggScheduling):
     ) -> None:
         self.config = config
         self.kv = kv
+        self._prefix_caching = kv.enable_prefix_caching  # looked at for every request every step
         self.stop = stop
         self.disagg = disagg
         self.connector = NixlSchedulerConnector(kv.managers, disagg.lease_s) if disagg is not None else None
@@ -176,13 +178,21 @@ class Scheduler(DisaggScheduling):
         starts: dict[str, int] = {}  # where each scheduled chunk starts (to undo a failed one)
         preempted = False
 
-        fits = self.kv.fits
+        fits, running = self.kv.fits, RequestStatus.RUNNING
         for req in list(self.running):
             if budget == 0 or preempted:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            n = min(self._num_new_tokens(req), budget)
+            # The tokens it has (prompt, outputs, placeholders) less those computed, unless the
+            # last token it may produce is already being sampled; spelled out (no properties,
+            # no `min`): this runs for every running request every step.
+            num_expected_outputs = len(req.output_token_ids) + req.num_placeholders
+            if num_expected_outputs >= req.sampling.max_tokens:
+                continue
+            n = len(req.prompt_token_ids) + num_expected_outputs - req.num_computed_tokens
+            if n > budget:
+                n = budget
             if n <= 0:
                 continue
             if fits(req.req_id, req.num_computed_tokens + n):
@@ -299,24 +309,16 @@ class Scheduler(DisaggScheduling):
         """Transfers in flight only report through a step's result, so keep stepping."""
         return bool(self.loading or self._held)
 
-    def _num_new_tokens(self, req: Request) -> int:
-        # `num_expected_outputs` and `num_tokens_with_placeholders` spelled out: this runs for
-        # every running request every step.
-        num_expected_outputs = len(req.output_token_ids) + req.num_placeholders
-        if num_expected_outputs >= req.sampling.max_tokens:
-            return 0  # the last token it may produce is already being sampled
-        return len(req.prompt_token_ids) + num_expected_outputs - req.num_computed_tokens
-
     def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int], starts: dict[str, int]) -> None:
         tokens[req.req_id] = n
         starts[req.req_id] = req.num_computed_tokens
         req.num_computed_tokens += n
         req.last_step = step
         req.resumed = False
-        # `num_tokens_with_placeholders` spelled out, as in `_num_new_tokens`.
+        # `num_tokens_with_placeholders` spelled out, as in `schedule`.
         if req.num_computed_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders:
             req.num_placeholders += 1  # this step samples its next token
-        if self.kv.enable_prefix_caching:
+        if self._prefix_caching:
             self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:
@@ -358,34 +360,52 @@ class Scheduler(DisaggScheduling):
 
     # -- results ----------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> OutputBatch:
         """Apply a finished step: record sampled tokens, check stops, release fenced blocks."""
         if result.step_id != out.step_id:
             raise RuntimeError(f"step {out.step_id} got the result of step {result.step_id}")
-        outputs: list[RequestOutput] = []
-        requests, check, emit, finished = self.requests, self.stop.check, outputs.append, RequestStatus.FINISHED
+        # The common case, a token for a request that goes on, adds to four flat lists: this
+        # loop runs for every running request every step.
+        ids: list[str] = []
+        tokens: list[int] = []
+        prompts: list[int] = []
+        counts: list[int] = []
+        others: list[RequestOutput] = []
+        requests, check, finished = self.requests, self.stop.check, RequestStatus.FINISHED
         for req_id, token in result.sampled.items():
             req = requests.get(req_id)
             if req is None or req.status is finished:
                 continue  # finished while this step ran: the token is surplus
             req.num_placeholders -= 1
             if req.do_remote_decode:
-                outputs.append(self._hand_over(req, result.kv_checksums.get(req_id)))
+                others.append(self._hand_over(req, result.kv_checksums.get(req_id)))
                 continue
-            req.output_token_ids.append(token)
-            if req.sampling.logprobs and req_id in result.logprobs:
+            outputs = req.output_token_ids
+            outputs.append(token)
+            logprobs = req.sampling.logprobs
+            if logprobs and req_id in result.logprobs:
                 req.output_logprobs.append(result.logprobs[req_id])
             reason = check(req)
             if reason is not None:
                 self._finish(req, reason)
-            emit(self._output(req))
+            num_outputs = len(outputs)
+            if reason is None and not logprobs and req.num_emitted == num_outputs - 1:
+                ids.append(req_id)
+                tokens.append(token)
+                prompts.append(len(req.prompt_token_ids))
+                counts.append(num_outputs)
+                req.num_emitted = num_outputs
+            else:
+                others.append(self._output(req))
         starts = self._step_starts.pop(out.step_id, {})
         for req_id, why in result.failed_reqs.items():
-            outputs.extend(self._worker_failed(out, starts, req_id, why))
+            others.extend(self._worker_failed(out, starts, req_id, why))
         if self.connector is not None:
-            outputs.extend(self._transfers_ended(result))
+            others.extend(self._transfers_ended(result))
         self.freed.reported(out.step_id)
-        return self.take_outputs() + outputs if self._outputs else outputs
+        if self._outputs:
+            others[:0] = self.take_outputs()  # ended outside the results (a refused load)
+        return OutputBatch(ids, tokens, prompts, counts, others)
 
     def _worker_failed(
         self, out: SchedulerOutput, starts: dict[str, int], req_id: str, why: str

@@ -34,10 +34,11 @@ async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) 
         core.add_request(req_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     pending = set(ids)
     while pending:
-        for out in await core.get_outputs(timeout=60):
-            tokens[out.req_id].extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                pending.discard(out.req_id)
+        for batch in await core.get_outputs(timeout=60):
+            for out in batch:
+                tokens[out.req_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    pending.discard(out.req_id)
     return [tokens[i] for i in ids]
 
 

@@ -6,11 +6,17 @@ Ratios are against the "off" run measured in the same process.
 Then the share of a whole decode step that is scheduling: a real scheduler and a real
 in-process worker with `--model` (the shipped hybrid by default), every request decoding,
 steps run one after another: scheduling (`schedule` + `update_from_output`) over the
-whole step (scheduling + the worker's `execute_model`).
+whole step (scheduling + the worker's `execute_model`). The block size is the one the engine
+picks for the model (48 tokens for the shipped hybrid) unless `--share-block-size` says
+otherwise, and a run lasts two blocks' worth of decode steps (at least `--share-steps`), so the
+steps where every request crosses into a new block come at the rate they do in serving; the
+share at 256 with 16-token blocks (three times as many crossings) is measured as well.
 
-    python -m bench.scheduler [--steps 300] [--block-size 4] [--share-steps 30] [--model DIR] [--json-out FILE]
+    python -m bench.scheduler [--steps 300] [--block-size 4] [--share-steps 30] [--share-block-size N]
+                              [--model DIR] [--json-out FILE]
 
-The last line is JSON: `sched_share_256`, the share at 256 running requests.
+The last line is JSON: `sched_share_256`, the share at 256 running requests at the engine's
+block size, and `sched_share_256_block16`.
 """
 
 from __future__ import annotations
@@ -56,10 +62,18 @@ def _measure(cls: type[Scheduler], running: int, steps: int, block_size: int) ->
     return elapsed / steps * 1e6
 
 
-def _share(model: Path, running: int, steps: int, dtype: str, device: str) -> tuple[float, float]:
+def _engine_block_size(model: Path, dtype: str, device: str) -> int:
+    """The block size the engine picks for the model (a worker with a one-block cache)."""
+    probe = Worker(WorkerConfig(str(model), dtype=dtype, device=device, num_kv_blocks=1))
+    try:
+        return probe.layout.block_size
+    finally:
+        probe.close()
+
+
+def _share(model: Path, running: int, steps: int, block_size: int, dtype: str, device: str) -> tuple[float, float]:
     """(scheduling, whole step) in microseconds per decode step at `running` requests."""
     prompt_len = 16
-    block_size = 16
     blocks = running * (cdiv(prompt_len + steps + 4, block_size) + 1) + 8
     worker = Worker(WorkerConfig(str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=blocks))
     layout = worker.layout
@@ -95,14 +109,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--share-steps", type=int, default=30, help="decode steps per share measurement")
+    ap.add_argument("--share-steps", type=int, default=30, help="at least this many decode steps per share")
+    ap.add_argument(
+        "--share-block-size", type=int, help="tokens per KV block for the shares; default: the engine's choice"
+    )
     ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parent.parent / "models" / "tiny-hybrid")
     ap.add_argument("--dtype", default="auto", help="the worker's dtype, as `python -m serve --dtype`")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the worker's device")
     ap.add_argument("--json-out", type=Path, help="also write every row here")
     args = ap.parse_args()
-    if args.steps < 1 or args.share_steps < 1 or args.block_size < 1:
-        ap.error("--steps, --share-steps and --block-size must be positive")
+    if min(args.steps, args.share_steps, args.block_size, args.share_block_size or 1) < 1:
+        ap.error("--steps, --share-steps, --block-size and --share-block-size must be positive")
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there")
     rows = []
@@ -114,32 +131,34 @@ def main() -> None:
     print(json.dumps({"bench": "scheduler", "block_size": args.block_size, "steps": args.steps, "rows": rows}))
     shares = {}
     share_rows = []
-    for running in (1, 64, 256):
-        sched_us, step_us = _share(args.model, running, args.share_steps, args.dtype, args.device)
-        shares[running] = sched_us / step_us
+    engine_block = args.share_block_size or _engine_block_size(args.model, args.dtype, args.device)
+    runs = (
+        ("sched_share_1", 1, engine_block),
+        ("sched_share_64", 64, engine_block),
+        ("sched_share_256", 256, engine_block),
+        ("sched_share_256_block16", 256, 16),
+    )
+    for key, running, block_size in runs:
+        # Two blocks' worth of steps: every request crosses into a new block at its natural rate.
+        steps = max(args.share_steps, 2 * block_size)
+        sched_us, step_us = _share(args.model, running, steps, block_size, args.dtype, args.device)
+        shares[key] = round(sched_us / step_us, 4)
         share_rows.append(
             {
                 "running": running,
+                "block_size": block_size,
                 "sched_us": round(sched_us, 1),
                 "step_us": round(step_us, 1),
                 "share": round(sched_us / step_us, 4),
             }
         )
         print(
-            f"running={running:4d}  decode step {step_us:9.1f} us  scheduling {sched_us:9.1f} us  "
+            f"running={running:4d}  block {block_size:3d}  decode step {step_us:9.1f} us  scheduling {sched_us:9.1f} us  "
             f"share {sched_us / step_us:.3f}"
         )
     if args.json_out:
         args.json_out.write_text(json.dumps({"schedule_us": rows, "share": share_rows}, indent=1))
-    print(
-        json.dumps(
-            {
-                "sched_share_1": round(shares[1], 4),
-                "sched_share_64": round(shares[64], 4),
-                "sched_share_256": round(shares[256], 4),
-            }
-        )
-    )
+    print(json.dumps(shares))
 
 
 if __name__ == "__main__":

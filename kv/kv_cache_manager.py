@@ -155,10 +155,13 @@ class KVCacheManager:
                 # crossing an attention block boundary leaves the Mamba slot alone.
                 new_ids.append([])
                 continue
-            ids = [b.block_id for b in manager.allocate_new_blocks(req_id, num_tokens_total)]
+            if hits:  # they cover part of what it needed
+                need = manager.get_num_blocks_to_allocate(req_id, num_tokens_total)
+            ids = manager.allocate_new_blocks(req_id, need)
             if manager.zeroes_new_blocks:
                 # Prefix hits never get here: their content is valid and must stay.
-                self._blocks_to_zero.update(dict.fromkeys(ids, req_id))
+                for block_id in ids:
+                    self._blocks_to_zero[block_id] = req_id
             new_ids.append(ids)
         self._covered[req_id] = min([m.num_tokens_covered(req_id) for m in self.managers])
         return tuple(new_ids)

@@ -49,13 +49,13 @@ class SingleTypeManager(ABC):
         owned = len(self.req_to_blocks.get(req_id, ()))
         return max(self.num_required_blocks(num_tokens) - owned, 0)
 
-    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVBlock]:
-        """Grow the request's table to cover `num_tokens`; returns the new blocks only.
-        Raises ValueError (from the pool) if it cannot, leaving the table unchanged."""
-        num_new = self.get_num_blocks_to_allocate(req_id, num_tokens)
+    def allocate_new_blocks(self, req_id: str, num_new: int) -> list[int]:
+        """Append `num_new` fresh blocks to the request's table (`get_num_blocks_to_allocate`
+        says how many); returns their ids. Raises ValueError (from the pool) if it cannot,
+        leaving the table unchanged."""
         new_blocks = self.pool.get_new_blocks(num_new)
         self.req_to_blocks.setdefault(req_id, []).extend(new_blocks)
-        return new_blocks
+        return [b.block_id for b in new_blocks]
 
     def free(self, req_id: str) -> None:
         # Reverse order: the tail of a prompt is the least likely prefix to be shared,

@@ -123,7 +123,7 @@ def test_max_tokens_and_eos_stop_exactly():
         core.add_request("x", prompt, SamplingParams(max_tokens=10, temperature=0))
         got = []
         while True:
-            outs = await core.get_outputs(1.0)
+            outs = [o for batch in await core.get_outputs(1.0) for o in batch]
             got.extend(t for o in outs for t in o.new_token_ids)
             if any(o.finish_reason for o in outs):
                 await core.close()

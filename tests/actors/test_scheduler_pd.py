@@ -129,7 +129,8 @@ def test_fail_policy_finishes_with_error_and_frees():
     add(s, "d", list(range(10)), remote("d", 9))
     out = s.schedule()
     outs = s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, failed_loads={"d": [1]}))
-    assert outs[0].finish_reason == "error" and "failed" in outs[0].error
+    (failed,) = outs
+    assert failed.finish_reason == "error" and "failed" in failed.error
     assert s.kv.num_free_blocks == s.kv.num_blocks
 
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.build import build_local_engine
 from actors.config import Config
-from actors.messages import EngineOverloadedError, EngineStats, RequestOutput
+from actors.messages import EngineOverloadedError, EngineStats, OutputBatch, RequestOutput
 from api import Engine, RoundRobinRouter, create_app
 from api.limits import MAX_BODY_BYTES
 
@@ -128,7 +128,7 @@ class FailingCore(OverloadedCore):
     async def get_outputs(self, timeout=None):
         await asyncio.sleep(0.01)
         out, self.outputs = self.outputs, []
-        return out
+        return [OutputBatch(others=out)]
 
 
 def test_engine_failure_mid_stream_ends_the_stream_with_an_error(checkpoint):
