@@ -50,9 +50,14 @@ def kv_transfer(data: dict, out: Path) -> None:
 def scheduler(data: dict, out: Path) -> None:
     rows = data["share"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar([str(r["running"]) for r in rows], [100 * r["share"] for r in rows], color="C0")
+    labels = [f"{r['running']}\nblock {r['block_size']}" if "block_size" in r else str(r["running"]) for r in rows]
+    ax.bar(labels, [100 * r["share"] for r in rows], color="C0")
     ax.axhline(2.0, color="C3", linestyle="--", label="target 2%")
-    ax.set(xlabel="running requests", ylabel="% of a decode step", title="Scheduling share of a decode step")
+    ax.set(
+        xlabel="running requests, tokens per block",
+        ylabel="% of a decode step",
+        title="Scheduling share of a decode step",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
