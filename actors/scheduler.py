@@ -60,7 +60,6 @@ class Scheduler(DisaggScheduling):
     ) -> None:
         self.config = config
         self.kv = kv
-        self._prefix_caching = kv.enable_prefix_caching  # looked at for every request every step
         self.stop = stop
         self.disagg = disagg
         self.connector = NixlSchedulerConnector(kv.managers, disagg.lease_s) if disagg is not None else None
@@ -318,7 +317,7 @@ class Scheduler(DisaggScheduling):
         # `num_tokens_with_placeholders` spelled out, as in `schedule`.
         if req.num_computed_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders:
             req.num_placeholders += 1  # this step samples its next token
-        if self._prefix_caching:
+        if self.kv.enable_prefix_caching:
             self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:

@@ -118,7 +118,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the worker's device")
     ap.add_argument("--json-out", type=Path, help="also write every row here")
     args = ap.parse_args()
-    if min(args.steps, args.share_steps, args.block_size, args.share_block_size or 1) < 1:
+    if min(args.steps, args.share_steps, args.block_size) < 1 or (
+        args.share_block_size is not None and args.share_block_size < 1
+    ):
         ap.error("--steps, --share-steps, --block-size and --share-block-size must be positive")
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there")
