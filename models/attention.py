@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from models.batch import AttnMeta, ForwardBatch
+from models.batch import AttnMeta, ForwardBatch, padding_indices
 
 
 def paged_attention(
@@ -32,12 +32,11 @@ def paged_attention(
     Single-token (decode) requests are attended together and multi-token chunks together:
     queries are padded to the longest chunk of their own kind, so a prefill chunk in the
     step does not make every decode request carry hundreds of padded query rows."""
-    block_size = k_cache.shape[1]
-    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    blocks, offsets = meta.write_blocks, meta.write_offsets
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
     if batch.max_query_len == 1:
-        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.block_valid, batch.positions, scale)
+        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, scale)
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
     if not single:
@@ -46,7 +45,7 @@ def paged_attention(
             k_cache,
             v_cache,
             meta.block_table,
-            meta.block_valid,
+            meta.padding,
             batch.positions,
             batch.token_req,
             batch.token_local,
@@ -59,7 +58,7 @@ def paged_attention(
     rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
     reqs = torch.tensor(single, dtype=torch.long, device=device)
     out[rows] = _attend_decode(
-        q[rows], k_cache, v_cache, meta.block_table[reqs], meta.block_valid[reqs], batch.positions[rows], scale
+        q[rows], k_cache, v_cache, meta.block_table[reqs], _padding(meta, reqs), batch.positions[rows], scale
     )
     rows = torch.tensor(
         [t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
@@ -73,7 +72,7 @@ def paged_attention(
         k_cache,
         v_cache,
         meta.block_table[reqs],
-        meta.block_valid[reqs],
+        _padding(meta, reqs),
         batch.positions[rows],
         token_req,
         batch.token_local[rows],
@@ -83,16 +82,21 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _padding(meta: AttnMeta, reqs: torch.Tensor) -> torch.Tensor | None:
+    """The padding of the table's rows `reqs` (a step's decode rows or its chunk rows)."""
+    return None if meta.padding is None else padding_indices(meta.block_valid[reqs])
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
     """[R, W] block table -> [R, W * block_size, KVH, D]. `index_select` copies whole pages
     (advanced indexing on the strided page views is several times slower); the table's
-    padding entries are then zeroed in place, by page index (a boolean-mask assignment
-    cost more than the gather itself)."""
+    padding entries (`padding`, flat indices into it) are then zeroed in place, by page index
+    (a boolean-mask assignment cost more than the gather itself)."""
     reqs, width = table.shape
     _, block_size, kv_heads, head_dim = cache.shape
     out = cache.index_select(0, table.flatten())
-    if not bool(valid.all()):
-        out.index_fill_(0, (~valid).flatten().nonzero().squeeze(1), 0)
+    if padding is not None:
+        out.index_fill_(0, padding, 0)
     return out.view(reqs, width * block_size, kv_heads, head_dim)
 
 
@@ -101,14 +105,14 @@ def _attend_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     table: torch.Tensor,
-    valid: torch.Tensor,
+    padding: torch.Tensor | None,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query per request. q: [R, H, D], positions: [R]. Returns [R, H, D]."""
     reqs, heads, head_dim = q.shape
-    keys = _gather(k_cache, table, valid).to(q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
-    values = _gather(v_cache, table, valid).to(q.dtype).transpose(1, 2)
+    keys = _gather(k_cache, table, padding).to(q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
+    values = _gather(v_cache, table, padding).to(q.dtype).transpose(1, 2)
     # SDPA reads the strided views as they are; a boolean mask keeps the masked slots'
     # values in the product (0 * NaN = NaN), as the chunk path does.
     allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
@@ -123,7 +127,7 @@ def _attend_chunks(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     table: torch.Tensor,
-    valid: torch.Tensor,
+    padding: torch.Tensor | None,
     positions: torch.Tensor,
     token_req: torch.Tensor,
     token_local: torch.Tensor,
@@ -134,8 +138,8 @@ def _attend_chunks(
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     reqs = table.shape[0]
-    keys = _gather(k_cache, table, valid)
-    values = _gather(v_cache, table, valid)
+    keys = _gather(k_cache, table, padding)
+    values = _gather(v_cache, table, padding)
     qp = q.new_zeros((reqs, max_query_len, heads, head_dim))
     qp[token_req, token_local] = q
     qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)

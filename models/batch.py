@@ -51,9 +51,15 @@ class SeqChunk:
 
 @dataclass(frozen=True, slots=True)
 class AttnMeta:
+    """Shared by every attention layer of a cache group in the step: what the layers would
+    otherwise each derive again (the write positions, the table's padding) is derived here once."""
+
     block_table: torch.Tensor  # [R, max_blocks] page indices, padded with 0
     block_valid: torch.Tensor  # [R, max_blocks] False where the table is padding
     slot_mapping: torch.Tensor  # [N] flat slot each new token's K/V is written to
+    write_blocks: torch.Tensor  # [N] slot_mapping // block_size: the page each new K/V goes to
+    write_offsets: torch.Tensor  # [N] slot_mapping % block_size: its slot in that page
+    padding: torch.Tensor | None  # flat indices into block_table of its padding; None: no padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,5 +162,17 @@ def _attn_meta(
         rows.append([*ids[:u], *[0] * (width - u)])
     table = torch.tensor(rows, dtype=torch.long, device=device)
     valid = torch.arange(width, device=device)[None, :] < torch.tensor(used, device=device)[:, None]
-    slots = table[token_req, positions // block_size] * block_size + positions % block_size
-    return AttnMeta(block_table=table, block_valid=valid, slot_mapping=slots)
+    blocks, offsets = table[token_req, positions // block_size], positions % block_size
+    return AttnMeta(
+        block_table=table,
+        block_valid=valid,
+        slot_mapping=blocks * block_size + offsets,
+        write_blocks=blocks,
+        write_offsets=offsets,
+        padding=None if min(used) == width else padding_indices(valid),
+    )
+
+
+def padding_indices(valid: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the False entries of a block table's validity mask."""
+    return (~valid).flatten().nonzero().squeeze(1)

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from models.config import ConfigError, ModelConfig
-from models.layers import pack_linears
+from models.layers import pack_linears, stack_projections
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
@@ -152,6 +152,7 @@ def load_model(
     weights, original = _read_weights(path)
     _assign(model, shard_weights(cfg, weights, tp.rank, tp.size), original, cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
+    stack_projections(model)
     pack_linears(model)
     generation, eos = load_generation_config(path, cfg)
     return LoadedModel(model, local, tokenizer, eos, generation, _chat_template(path))
