@@ -18,14 +18,21 @@ from models.config import MambaSpec
 from models.layers import GatedRMSNorm, Linear
 from models.tensor_parallel import SINGLE, TPGroup
 
+# exp() of an argument below about -87 underflows fp32 to a subnormal or zero, and torch's CPU
+# exp takes a slow path for those and for -inf (measured 2-10x over a [16, 128, 128] decay
+# matrix). Decays are clamped here instead: exp(-80) ~ 2e-35 is a weight no sum can see.
+_MIN_LOG_DECAY = -80.0
 
-def _segment_sum(x: torch.Tensor) -> torch.Tensor:
-    """[..., T] -> [..., T, T] with out[i, j] = sum(x[j+1..i]) for j <= i, -inf above."""
-    t = x.size(-1)
-    x = x[..., None].expand(*x.shape, t)
-    x = x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), -1), 0)
-    s = torch.cumsum(x, dim=-2)
-    return s.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device)), float("-inf"))
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """[..., T] log-decays (<= 0) -> [..., T, T] with out[i, j] = exp(sum(log_decay[j+1..i]))
+    for j <= i (the decay from step j to step i), 0 above the diagonal. The sums are taken as
+    differences of float64 running sums: as exact as summing each segment, without a
+    cumulative sum over [T, T]. Above the diagonal the difference is >= 0; it is clamped to 0
+    and zeroed after the exp, so nothing overflows either."""
+    cum = torch.cumsum(log_decay.double(), dim=-1)
+    seg = (cum[..., :, None] - cum[..., None, :]).to(log_decay.dtype).clamp_(_MIN_LOG_DECAY, 0.0)
+    return seg.exp_().tril_()  # tril_: ~20x faster here than masked_fill_ with a [T, T] mask
 
 
 def chunk_scan(
@@ -61,7 +68,7 @@ def chunk_scan(
     num_chunks = xd.shape[1]
     adt = adt.permute(0, 3, 1, 2)  # [B, H, C, L]
     cum = torch.cumsum(adt, dim=-1)
-    decay = torch.exp(_segment_sum(adt))  # [B, H, C, L, S]
+    decay = _decay(adt)  # [B, H, C, L, S]
     scores = torch.einsum("bclgn,bcsgn->bgcls", c, b)  # [B, G, C, L, S]
     weights = decay.view(bsz, groups, rep, num_chunks, chunk, chunk) * scores[:, :, None]
     y_diag = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, xd.view(*xd.shape[:3], groups, rep, pdim))
@@ -69,15 +76,18 @@ def chunk_scan(
     weighted = xd * decay_states.permute(0, 2, 3, 1)[..., None]  # [B, C, L, H, P]
     states = torch.einsum("bclgn,bclgrp->bcgrpn", b, weighted.view(*weighted.shape[:3], groups, rep, pdim))
     states = states.reshape(bsz, num_chunks, heads, pdim, -1)
+    y_diag = y_diag.reshape(bsz, num_chunks, chunk, heads, pdim)
+    if initial is None and num_chunks == 1:  # a fresh prompt within one chunk: no state flows in
+        return (y_diag.reshape(bsz, -1, heads, pdim) + residual)[:, :length], states[:, 0]
     start = initial[:, None] if initial is not None else torch.zeros_like(states[:, :1])
     states = torch.cat([start, states], dim=1)
-    decay_chunk = torch.exp(_segment_sum(F.pad(cum[..., -1], (1, 0))))  # [B, H, C+1, C+1]
+    decay_chunk = _decay(F.pad(cum[..., -1], (1, 0)))  # [B, H, C+1, C+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final = states[:, :-1], states[:, -1]
     grouped = states.reshape(bsz, num_chunks, groups, rep, pdim, -1)
     y_off = torch.einsum("bclgn,bcgrpn->bclgrp", c, grouped).reshape(bsz, num_chunks, chunk, heads, pdim)
     y_off = y_off * torch.exp(cum).permute(0, 2, 3, 1)[..., None]
-    y = (y_diag.reshape(bsz, num_chunks, chunk, heads, pdim) + y_off).reshape(bsz, -1, heads, pdim) + residual
+    y = (y_diag + y_off).reshape(bsz, -1, heads, pdim) + residual
     return y[:, :length], final
 
 
