@@ -32,8 +32,8 @@ class Qwen3Attention(nn.Module):
 
     def stack_projections(self) -> None:
         """One matmul for q, k and v; q and k then normalised and rotated as one tensor, the two
-        norms' weights stacked per head. The same arithmetic, a third of the calls: at batch 1
-        a Qwen3 step is mostly such small calls besides the weights' reads."""
+        norms' weights stacked per head. The same arithmetic in fewer calls: at batch 1 a Qwen3
+        step is mostly such small calls besides the weights' reads."""
         self.qkv_proj = stacked([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         weights = [
