@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from models.batch import ForwardBatch
 from models.config import GatedDeltaNetSpec
-from models.layers import Linear
+from models.layers import Linear, stacked
 
 CHUNK = 64
 
@@ -162,6 +162,20 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(spec.num_v_heads).uniform_(0.01, 16).log())
         self.norm = NormThenGate(spec.head_v_dim, eps)
         self.out_proj = Linear(spec.value_dim, hidden_size, bias=False)
+        self.in_proj: Linear | None = None
+
+    def stack_projections(self) -> None:
+        """One matmul for the four input projections."""
+        self.in_proj = stacked([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h -> the conv's input [q | k | v], the output gate z, and b, a (per value head)."""
+        if self.in_proj is None:
+            return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
+        s = self.spec
+        mixed, z, b, a = self.in_proj(h).split((s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
+        return mixed, z, b, a
 
     def _heads(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output [..., conv_dim] -> q, k [..., Hv, K] (unit length, q scaled, key heads
@@ -190,10 +204,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] from an empty state (training and references)."""
-        mixed, _ = self._conv(self.in_proj_qkv(h), None)
-        q, k, v, g, beta = self._heads(mixed, self.in_proj_a(h), self.in_proj_b(h))
+        projected, z, b, a = self._project(h)
+        mixed, _ = self._conv(projected, None)
+        q, k, v, g, beta = self._heads(mixed, a, b)
         out, _ = chunk_delta_rule(q, k, v, g, beta, None)
-        return self._finish(out, self.in_proj_z(h), h.dtype)
+        return self._finish(out, z, h.dtype)
 
     def forward(
         self,
@@ -205,7 +220,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
         s = self.spec
-        mixed, a, b = self.in_proj_qkv(h), self.in_proj_a(h), self.in_proj_b(h)
+        mixed, z, b, a = self._project(h)
         out = h.new_empty((h.shape[0], s.num_v_heads, s.head_v_dim), dtype=torch.float)
         decode = batch.decode_reqs
         if decode:
@@ -220,7 +235,7 @@ class GatedDeltaNet(nn.Module):
             conv_cache[slot] = conv_state[0].to(conv_cache.dtype)
             state_cache[slot] = final[0]
             out[lo:hi] = y[0]
-        return self._finish(out, self.in_proj_z(h), h.dtype)
+        return self._finish(out, z, h.dtype)
 
     def _decode_step(
         self,

@@ -17,7 +17,7 @@ from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
-from models.layers import Linear, Rotary
+from models.layers import Linear, Rotary, stacked
 from models.pre_norm import PreNormCausalLM
 from models.qwen3 import Qwen3MLP
 from models.tensor_parallel import SINGLE, TPGroup
@@ -52,6 +52,19 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.norm_eps)
         self.rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = Rotary(self.rotary_dim, cfg.rope_theta)
+        self.qkv_proj: Linear | None = None
+
+    def stack_projections(self) -> None:
+        """One matmul for q (with its gate), k and v."""
+        self.qkv_proj = stacked([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _projections(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        kv = self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(h).split((2 * self.heads * self.head_dim, kv, kv), dim=-1)
+        return q, k, v
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.rotary(x[..., : self.rotary_dim], positions), x[..., self.rotary_dim :]], dim=-1)
@@ -59,11 +72,12 @@ class GatedAttention(nn.Module):
     def _qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [..., heads, head_dim] and the output gate [..., heads * head_dim]."""
         shape = h.shape[:-1]
+        q_gate, k, v = self._projections(h)
         # Per head, q_proj's output is [query | gate]: split per head, not down the middle.
-        q, gate = self.q_proj(h).view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = q_gate.view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(h).view(*shape, self.kv_heads, self.head_dim))
-        v = self.v_proj(h).view(*shape, self.kv_heads, self.head_dim)
+        k = self.k_norm(k.view(*shape, self.kv_heads, self.head_dim))
+        v = v.view(*shape, self.kv_heads, self.head_dim)
         return self._rope(q, positions), self._rope(k, positions), v, gate.reshape(*shape, -1)
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:

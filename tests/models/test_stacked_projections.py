@@ -61,10 +61,11 @@ def test_stacked_projections_give_the_same_logits(hf_model, dtype):
     fused = copy.deepcopy(plain)
     stack_projections(fused)
     names = {name.rsplit(".", 1)[-1] for name, _ in fused.named_modules()}
-    assert "qkv_proj" in names or kind == "qwen3_5"  # Qwen3.5's gated attention keeps its own
-    assert "q_proj" not in names or kind == "qwen3_5"
+    assert "qkv_proj" in names and "q_proj" not in names
     if kind != "nemotron_h":
         assert "gate_up_proj" in names and "gate_proj" not in names
+    if kind == "qwen3_5":  # Gated DeltaNet's four input projections
+        assert "in_proj" in names and "in_proj_qkv" not in names
     pack_linears(plain)
     pack_linears(fused)
     ids = torch.randint(2, 90, (2, 11), generator=torch.Generator().manual_seed(1))
