@@ -50,8 +50,7 @@ def kv_transfer(data: dict, out: Path) -> None:
 def scheduler(data: dict, out: Path) -> None:
     rows = data["share"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    labels = [f"{r['running']}\nblock {r['block_size']}" if "block_size" in r else str(r["running"]) for r in rows]
-    ax.bar(labels, [100 * r["share"] for r in rows], color="C0")
+    ax.bar([f"{r['running']}\nblock {r['block_size']}" for r in rows], [100 * r["share"] for r in rows], color="C0")
     ax.axhline(2.0, color="C3", linestyle="--", label="target 2%")
     ax.set(
         xlabel="running requests, tokens per block",

@@ -46,18 +46,20 @@ def stacked(parts: Sequence[Linear]) -> Linear:
     rows). On a CPU at small batches a step is a chain of small calls: one matmul for q, k and
     v reads the input once and costs one call's overhead instead of three."""
     first = parts[0]
-    weight = first.weight
+    biases = [p.bias for p in parts if p.bias is not None]
+    if biases and len(biases) != len(parts):
+        raise ValueError("stacked: either every part has a bias or none has")
     out = Linear(
         first.in_features,
         sum(p.out_features for p in parts),
-        bias=first.bias is not None,
-        device=weight.device,
-        dtype=weight.dtype,
+        bias=bool(biases),
+        device=first.weight.device,
+        dtype=first.weight.dtype,
     )
     with torch.no_grad():
         out.weight.copy_(torch.cat([p.weight for p in parts]))
         if out.bias is not None:
-            out.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
+            out.bias.copy_(torch.cat(biases))
     out.requires_grad_(False)
     return out
 
@@ -109,8 +111,7 @@ class RMSNorm(nn.Module):
         if dtype == torch.float32:  # one op instead of seven, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if self.weight_in_fp32:
-            h = x.float()
-            return (self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(dtype)
+            return (self.weight.float() * self._normalized_fp32(x)).to(dtype)
         return self.weight * self.normalize(x)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +120,11 @@ class RMSNorm(nn.Module):
         normalise one tensor together and apply their weights as one stacked weight."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, None, self.eps)
+        return self._normalized_fp32(x).to(x.dtype)
+
+    def _normalized_fp32(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class GatedRMSNorm(nn.Module):
