@@ -21,6 +21,7 @@ from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from api.errors import RETRY_AFTER_S
 from api.migration import MigrationPolicy
 from serve.engines import EngineSupervisor
+from serve.placement import NORMAL_PRIORITY
 
 DEPLOYMENT_NAME = "raypd-api"
 _CONTROL_HEADROOM = 64  # requests beyond the admitted ones: health checks, metrics, refusals
@@ -58,7 +59,7 @@ def build_app(cfg: Config, engine_names: dict[str, list[str]], namespace: str) -
     deployment = serve.deployment(
         serve.ingress()(Ingress),
         name=DEPLOYMENT_NAME,
-        ray_actor_options={"num_cpus": 0},  # it routes, it does not compute
+        ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},  # it routes, it does not compute
         max_ongoing_requests=cfg.inflight_limit + _CONTROL_HEADROOM,
         max_queued_requests=_SERVE_QUEUE,
         backpressure_config=BackpressureConfig(retry_after_s=RETRY_AFTER_S),

@@ -8,6 +8,14 @@ and anywhere when it has none (a laptop, CI). The sliver is a label, not a quota
 `prefill: 1` takes up to 1000 engines, and GPUs are what bound them. With `--device cuda` each
 worker asks for one GPU, so Ray gives it its own device and no two workers share one; the
 engine actors compute nothing and ask for none. Colocated engines go anywhere.
+
+Every process of the service runs at normal priority. Ray starts its worker processes at nice
+15 (its `worker_niceness`), so that the raylet and GCS stay responsive when tasks load a node;
+raypd's engines, workers and API replicas are the service itself, and at nice 15 any other
+process on the node (a client, an agent, a neighbour's busy loop) takes a core from a forward
+the moment it wants one. Ray reads the setting from the new process's environment, so the
+actor's `runtime_env` carries it (as Ray's job supervisor does for drivers); no privilege is
+needed, since the process never lowers its niceness.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from actors.config import Config
 
 ROLE_RESOURCES = {"prefill": "prefill", "decode": "decode"}
 LABEL_AMOUNT = 0.001
+NORMAL_PRIORITY: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def role_resources(role: str, cluster_resources: Mapping[str, float]) -> dict[str, float]:
@@ -30,13 +39,15 @@ def role_resources(role: str, cluster_resources: Mapping[str, float]) -> dict[st
 def engine_options(cfg: Config, role: str, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
     """`.options(...)` for an engine's engine actor (name, namespace and lifetime are the
     caller's: engines are detached named actors, serve/engines.py)."""
-    resources = role_resources(role, cluster_resources)
-    return {"resources": resources} if resources else {}
+    options: dict[str, Any] = {"runtime_env": NORMAL_PRIORITY}
+    if resources := role_resources(role, cluster_resources):
+        options["resources"] = resources
+    return options
 
 
 def worker_options(cfg: Config, role: str, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
     """`.options(...)` for an engine's worker actor."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"runtime_env": NORMAL_PRIORITY}
     if resources := role_resources(role, cluster_resources):
         options["resources"] = resources
     if cfg.device == "cuda":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -343,3 +344,12 @@ def test_metrics_break_requests_down_by_phase_and_count_kv_transfers(server, htt
     assert metric(http, "raypd_kv_transfer_bytes_total", engine=decode) % descriptors == 0
     assert metric(http, "raypd_kv_transfer_failed_total", engine=decode) == 0
     assert metric(http, "raypd_kv_lease_expired_total", engine=decode) == 0
+
+
+def test_the_service_runs_at_normal_priority(server):
+    """Ray starts worker processes at nice 15; the engines, their workers and the API replica
+    are the service and run at 0 (serve/placement.py), while Ray's own actors keep Ray's 15."""
+    alive = ray._private.state.actors(actor_state_name="ALIVE").values()
+    nice = {a["ActorClassName"].split(":")[0]: os.getpriority(os.PRIO_PROCESS, a["Pid"]) for a in alive}
+    assert {nice["EngineActor"], nice["WorkerActor"], nice["ServeReplica"]} == {0}
+    assert nice["ProxyActor"] == 15
