@@ -9,9 +9,10 @@ same compute threads, the same prompts and the same load client.
   completions at 1, 8 and 32 concurrent streams: output tokens/s, TTFT, TPOT, ITL.
 
 The machine is shared, so its speed drifts: both engines are kept up at once and their
-runs alternate, `--rounds` times each, so both see the same conditions; an idle engine
-waits without computing. vLLM runs from its own virtual environment (`make bench-peers`
-creates `.venv-vllm`).
+runs alternate, `--rounds` times each, so both see the same conditions. Each run starts once
+the machine is quiet: vLLM's worker busy-polls a core for about a second after its last
+request, which would otherwise land on the run after it. vLLM runs from its own virtual
+environment (`make bench-peers` creates `.venv-vllm`).
 
     python -m bench.peers [--models hybrid,dense] [--threads 1] [--work-dir DIR]
 
@@ -43,7 +44,35 @@ from bench.peer_servers import free_port, raypd_command, running, vllm_command, 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 32)
 _OFFLINE_TIMEOUT_S = 900.0
+# Busy cores below which the machine counts as quiet: both engines idle take ~0.25 (Ray's
+# background, vLLM's server); a spinning worker takes a whole one.
+_QUIET_CORES = 0.5
+_QUIET_WINDOW_S = 0.5
+_SETTLE_TIMEOUT_S = 20.0
 Run = tuple[float, list[list[int]]]  # seconds, output token ids
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle() -> None:
+    """Wait until the machine has been quiet for one window (or give up after a while)."""
+    cores = os.cpu_count() or 1
+    deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+    busy, total = _busy_jiffies()
+    while True:
+        time.sleep(_QUIET_WINDOW_S)
+        b, t = _busy_jiffies()
+        if (b - busy) / max(t - total, 1) * cores < _QUIET_CORES:
+            return
+        if time.monotonic() > deadline:
+            print(f"warning: the machine stayed busy for {_SETTLE_TIMEOUT_S:.0f} s before a run", flush=True)
+            return
+        busy, total = b, t
 
 
 def prompts_for(batch: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -143,6 +172,7 @@ def _offline(model: Path, args: argparse.Namespace, work: Path) -> dict[str, dic
         for _ in range(args.rounds):
             for b, prompts in by_batch.items():
                 for name, engine in engines.items():
+                    settle()
                     runs[name][b].append(engine.run(prompts, b, args.max_tokens))
     finally:
         for engine in engines.values():
@@ -169,6 +199,7 @@ def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dic
             for streams in args.streams:
                 prompts = prompts_for(streams, streams * args.requests_per_stream, args.prompt_len, 1)
                 for engine, url in urls.items():
+                    settle()
                     got, wall = asyncio.run(drive(url, kind, prompts, streams, args.max_tokens))
                     prev, prev_wall = samples[engine][streams]
                     samples[engine][streams] = (prev + got, prev_wall + wall)
