@@ -13,13 +13,15 @@ The update per token, with decay `a = exp(g)` and write strength `beta`:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from models.batch import ForwardBatch
 from models.config import GatedDeltaNetSpec
-from models.layers import Linear, stacked
+from models.layers import Linear, ProjectionStacks
 
 CHUNK = 64
 
@@ -142,7 +144,12 @@ class NormThenGate(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(ProjectionStacks):
+    """The input projections, one matmul once stacked, give the conv's input [q | k | v], the
+    output gate z, and b, a (per value head)."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
     def __init__(self, hidden_size: int, spec: GatedDeltaNetSpec, eps: float) -> None:
         super().__init__()
         self.spec = spec
@@ -162,20 +169,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(spec.num_v_heads).uniform_(0.01, 16).log())
         self.norm = NormThenGate(spec.head_v_dim, eps)
         self.out_proj = Linear(spec.value_dim, hidden_size, bias=False)
-        self.in_proj: Linear | None = None
-
-    def stack_projections(self) -> None:
-        """One matmul for the four input projections."""
-        self.in_proj = stacked([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
-
-    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h -> the conv's input [q | k | v], the output gate z, and b, a (per value head)."""
-        if self.in_proj is None:
-            return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
-        s = self.spec
-        mixed, z, b, a = self.in_proj(h).split((s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
-        return mixed, z, b, a
 
     def _heads(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output [..., conv_dim] -> q, k [..., Hv, K] (unit length, q scaled, key heads
@@ -204,7 +197,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] from an empty state (training and references)."""
-        projected, z, b, a = self._project(h)
+        projected, z, b, a = self.project("in_proj", h)
         mixed, _ = self._conv(projected, None)
         q, k, v, g, beta = self._heads(mixed, a, b)
         out, _ = chunk_delta_rule(q, k, v, g, beta, None)
@@ -220,7 +213,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
         s = self.spec
-        mixed, z, b, a = self._project(h)
+        mixed, z, b, a = self.project("in_proj", h)
         out = h.new_empty((h.shape[0], s.num_v_heads, s.head_v_dim), dtype=torch.float)
         decode = batch.decode_reqs
         if decode:

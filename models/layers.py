@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -41,41 +41,63 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def stacked(parts: Sequence[Linear]) -> Linear:
-    """One `Linear` whose output is the parts' outputs side by side (their weights stacked by
+class StackedLinear(Linear):
+    """One `Linear` whose output is its parts' outputs side by side (their weights stacked by
     rows). On a CPU at small batches a step is a chain of small calls: one matmul for q, k and
     v reads the input once and costs one call's overhead instead of three."""
-    first = parts[0]
-    biases = [p.bias for p in parts if p.bias is not None]
-    if biases and len(biases) != len(parts):
-        raise ValueError("stacked: either every part has a bias or none has")
-    out = Linear(
-        first.in_features,
-        sum(p.out_features for p in parts),
-        bias=bool(biases),
-        device=first.weight.device,
-        dtype=first.weight.dtype,
-    )
-    with torch.no_grad():
-        out.weight.copy_(torch.cat([p.weight for p in parts]))
-        if out.bias is not None:
-            out.bias.copy_(torch.cat(biases))
-    out.requires_grad_(False)
-    return out
+
+    def __init__(self, parts: Sequence[Linear]) -> None:
+        first = parts[0]
+        biases = [p.bias for p in parts if p.bias is not None]
+        if biases and len(biases) != len(parts):
+            raise ValueError("stacked: either every part has a bias or none has")
+        self.sizes = tuple(p.out_features for p in parts)
+        super().__init__(
+            first.in_features, sum(self.sizes), bias=bool(biases), device=first.weight.device, dtype=first.weight.dtype
+        )
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([p.weight for p in parts]))
+            if self.bias is not None:
+                self.bias.copy_(torch.cat(biases))
+        self.requires_grad_(False)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs, as views of the one output."""
+        return self(x).split(self.sizes, dim=-1)
 
 
-@runtime_checkable
-class StacksProjections(Protocol):
+class ProjectionStacks(nn.Module):
+    """A module with projections that read the same input. `STACKS` names each stack and its
+    parts in output order. The parts keep the checkpoint's names and serve training;
+    `stack_projections` replaces them with one `StackedLinear` under the stack's name
+    (inference only), and `project` runs whichever of the two the module holds."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]]
+
     def stack_projections(self) -> None:
-        """Replace the projections that read the same input with one `stacked` Linear (inference
-        only: the checkpoint's names and the training path keep the separate ones)."""
+        for stack, parts in self.STACKS.items():
+            self.add_module(stack, StackedLinear([cast(Linear, self.get_submodule(p)) for p in parts]))
+            for p in parts:
+                delattr(self, p)
+
+    def stacked(self, stack: str) -> StackedLinear | None:
+        """The stack's one `StackedLinear`, once `stack_projections` made it."""
+        fused = self._modules.get(stack)
+        return fused if isinstance(fused, StackedLinear) else None
+
+    def project(self, stack: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of the stack's parts, in `STACKS` order."""
+        fused = self.stacked(stack)
+        if fused is not None:
+            return fused.split(x)
+        return tuple(self.get_submodule(p)(x) for p in self.STACKS[stack])
 
 
 def stack_projections(model: nn.Module) -> None:
-    """Stack the projections of every module that can (see `StacksProjections`); called once the
+    """Stack the projections of every module that can (see `ProjectionStacks`); called once the
     weights are loaded, before `pack_linears`."""
     for module in list(model.modules()):
-        if isinstance(module, StacksProjections):
+        if isinstance(module, ProjectionStacks):
             module.stack_projections()
 
 

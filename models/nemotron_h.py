@@ -5,18 +5,24 @@ comes from the Mamba layers."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import Linear, RMSNorm, relu2, stacked
+from models.layers import Linear, ProjectionStacks, RMSNorm, relu2
 from models.mamba import Mamba2Mixer
 from models.tensor_parallel import SINGLE, TPGroup
 
 
-class Attention(nn.Module):
+class Attention(ProjectionStacks):
+    """q, k and v run as one matmul once stacked."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -26,24 +32,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.qkv_proj: Linear | None = None
-
-    def stack_projections(self) -> None:
-        """One matmul for q, k and v."""
-        self.qkv_proj = stacked([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = h.shape[:-1]
-        if self.qkv_proj is None:
-            return (
-                self.q_proj(h).view(*shape, self.heads, self.head_dim),
-                self.k_proj(h).view(*shape, self.kv_heads, self.head_dim),
-                self.v_proj(h).view(*shape, self.kv_heads, self.head_dim),
-            )
-        qkv = self.qkv_proj(h).view(*shape, self.heads + 2 * self.kv_heads, self.head_dim)
-        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=-2)
-        return q, k, v
+        q, k, v = self.project("qkv_proj", h)
+        return (
+            q.view(*shape, self.heads, self.head_dim),
+            k.view(*shape, self.kv_heads, self.head_dim),
+            v.view(*shape, self.kv_heads, self.head_dim),
+        )
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(h)

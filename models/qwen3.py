@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -9,12 +11,16 @@ from torch.nn import functional as F
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import Linear, RMSNorm, Rotary, stacked
+from models.layers import Linear, ProjectionStacks, RMSNorm, Rotary
 from models.pre_norm import PreNormCausalLM
 from models.tensor_parallel import SINGLE, TPGroup
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(ProjectionStacks):
+    """q, k and v run as one matmul once stacked."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.rope_theta is not None
@@ -28,14 +34,12 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, weight_in_fp32=False)
         self.rotary = Rotary(self.head_dim, cfg.rope_theta)
-        self.qkv_proj: Linear | None = None
 
     def stack_projections(self) -> None:
         """One matmul for q, k and v; q and k then normalised and rotated as one tensor, the two
         norms' weights stacked per head. The same arithmetic in fewer calls: at batch 1 a Qwen3
         step is mostly such small calls besides the weights' reads."""
-        self.qkv_proj = stacked([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        super().stack_projections()
         weights = [
             self.q_norm.weight.detach().expand(self.heads, -1),
             self.k_norm.weight.detach().expand(self.kv_heads, -1),
@@ -44,12 +48,14 @@ class Qwen3Attention(nn.Module):
 
     def _qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = h.shape[:-1]
-        if self.qkv_proj is None:
-            q = self.q_norm(self.q_proj(h).view(*shape, self.heads, self.head_dim))
-            k = self.k_norm(self.k_proj(h).view(*shape, self.kv_heads, self.head_dim))
-            v = self.v_proj(h).view(*shape, self.kv_heads, self.head_dim)
+        qkv_proj = self.stacked("qkv_proj")
+        if qkv_proj is None:
+            q, k, v = self.project("qkv_proj", h)
+            q = self.q_norm(q.view(*shape, self.heads, self.head_dim))
+            k = self.k_norm(k.view(*shape, self.kv_heads, self.head_dim))
+            v = v.view(*shape, self.kv_heads, self.head_dim)
             return self.rotary(q, positions), self.rotary(k, positions), v
-        qkv = self.qkv_proj(h).view(*shape, self.heads + 2 * self.kv_heads, self.head_dim)
+        qkv = qkv_proj(h).view(*shape, self.heads + 2 * self.kv_heads, self.head_dim)
         qk = self.q_norm.normalize(qkv[..., : self.heads + self.kv_heads, :]) * self.qk_norm_weight
         qk = self.rotary(qk, positions)
         return qk[..., : self.heads, :], qk[..., self.heads :, :], qkv[..., self.heads + self.kv_heads :, :]
@@ -65,23 +71,19 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class Qwen3MLP(nn.Module):
+class Qwen3MLP(ProjectionStacks):
+    """The gate and up projections run as one matmul once stacked."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: Linear | None = None
-
-    def stack_projections(self) -> None:
-        """One matmul for the gate and up projections."""
-        self.gate_up_proj = stacked([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        gate, up = self.project("gate_up_proj", h)
         return self.down_proj(F.silu(gate) * up)
 
 

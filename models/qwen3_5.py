@@ -10,6 +10,8 @@ each head, and every RMSNorm scales by `1 + weight` (weights are stored zero-cen
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -17,7 +19,7 @@ from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
-from models.layers import Linear, Rotary, stacked
+from models.layers import Linear, ProjectionStacks, Rotary
 from models.pre_norm import PreNormCausalLM
 from models.qwen3 import Qwen3MLP
 from models.tensor_parallel import SINGLE, TPGroup
@@ -37,7 +39,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(ProjectionStacks):
+    """q (with its gate), k and v run as one matmul once stacked."""
+
+    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.rope_theta is not None
@@ -52,19 +58,6 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.norm_eps)
         self.rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = Rotary(self.rotary_dim, cfg.rope_theta)
-        self.qkv_proj: Linear | None = None
-
-    def stack_projections(self) -> None:
-        """One matmul for q (with its gate), k and v."""
-        self.qkv_proj = stacked([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def _projections(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        kv = self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(h).split((2 * self.heads * self.head_dim, kv, kv), dim=-1)
-        return q, k, v
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.rotary(x[..., : self.rotary_dim], positions), x[..., self.rotary_dim :]], dim=-1)
@@ -72,7 +65,7 @@ class GatedAttention(nn.Module):
     def _qkv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [..., heads, head_dim] and the output gate [..., heads * head_dim]."""
         shape = h.shape[:-1]
-        q_gate, k, v = self._projections(h)
+        q_gate, k, v = self.project("qkv_proj", h)
         # Per head, q_proj's output is [query | gate]: split per head, not down the middle.
         q, gate = q_gate.view(*shape, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kv.cache_layout import allocate_caches, plan_layout
 from models.batch import SeqChunk, build_forward_batch, cdiv
-from models.layers import Linear, pack_linears, stack_projections, stacked
+from models.layers import Linear, StackedLinear, pack_linears, stack_projections
 from models.loader import build_model, load_config
 
 BLOCK = 4
@@ -77,8 +77,10 @@ def test_stacked_projections_give_the_same_logits(hf_model, dtype):
 
 def test_stacked_linear_stacks_weights_and_biases_by_rows():
     parts = [Linear(6, n, bias=True) for n in (4, 2, 3)]
-    out = stacked(parts)
+    out = StackedLinear(parts)
     x = torch.randn(5, 6)
     with torch.no_grad():
         torch.testing.assert_close(out(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-6, atol=1e-6)
+        for got, part in zip(out.split(x), parts, strict=True):
+            torch.testing.assert_close(got, part(x), rtol=1e-6, atol=1e-6)
     assert not out.weight.requires_grad
