@@ -404,7 +404,14 @@ class Worker:
         return None
 
     def _zero(self, block_ids: list[int]) -> int:
-        if block_ids:
+        """On the host page by page: each page is one run of bytes, and `zero_` on it is a
+        memset, where one indexed fill of them all (`buf[ids] = 0`) ran 1.6-3x slower (8-32
+        pages of 32 KiB to 1 MiB). On a GPU the indexed fill is one kernel launch, not one a page."""
+        if self.device.type == "cpu":
+            for buf in self.buffers:
+                for block in block_ids:
+                    buf[block].zero_()
+        elif block_ids:
             index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             for buf in self.buffers:
                 buf[index] = 0

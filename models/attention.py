@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from models.batch import AttnMeta, ForwardBatch, padding_indices
+from models.batch import AttnMeta, ForwardBatch, padding_indices, visible_slots
 
 
 def paged_attention(
@@ -33,10 +33,10 @@ def paged_attention(
     queries are padded to the longest chunk of their own kind, so a prefill chunk in the
     step does not make every decode request carry hundreds of padded query rows."""
     blocks, offsets = meta.write_blocks, meta.write_offsets
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
-    if batch.max_query_len == 1:
-        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, scale)
+    k_cache[blocks, offsets] = _as(k, k_cache.dtype)
+    v_cache[blocks, offsets] = _as(v, v_cache.dtype)
+    if meta.decode_mask is not None:
+        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.padding, meta.decode_mask, scale)
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
     if not single:
@@ -57,8 +57,15 @@ def paged_attention(
     device = q.device
     rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
     reqs = torch.tensor(single, dtype=torch.long, device=device)
+    table = meta.block_table[reqs]
     out[rows] = _attend_decode(
-        q[rows], k_cache, v_cache, meta.block_table[reqs], _padding(meta, reqs), batch.positions[rows], scale
+        q[rows],
+        k_cache,
+        v_cache,
+        table,
+        _padding(meta, reqs),
+        visible_slots(table.shape[1] * batch.block_size, batch.positions[rows]),
+        scale,
     )
     rows = torch.tensor(
         [t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
@@ -80,6 +87,12 @@ def paged_attention(
         scale,
     )
     return out
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without the call where the dtypes agree: a decode step made four such
+    calls in every attention layer, each a dispatch that returned its input."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _padding(meta: AttnMeta, reqs: torch.Tensor) -> torch.Tensor | None:
@@ -106,19 +119,17 @@ def _attend_decode(
     v_cache: torch.Tensor,
     table: torch.Tensor,
     padding: torch.Tensor | None,
-    positions: torch.Tensor,
+    visible: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per request. q: [R, H, D], positions: [R]. Returns [R, H, D]."""
+    """One query per request. q: [R, H, D], visible: [R, 1, 1, S] (`visible_slots`). Returns
+    [R, H, D]."""
     reqs, heads, head_dim = q.shape
-    keys = _gather(k_cache, table, padding).to(q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
-    values = _gather(v_cache, table, padding).to(q.dtype).transpose(1, 2)
+    keys = _as(_gather(k_cache, table, padding), q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
+    values = _as(_gather(v_cache, table, padding), q.dtype).transpose(1, 2)
     # SDPA reads the strided views as they are; a boolean mask keeps the masked slots'
     # values in the product (0 * NaN = NaN), as the chunk path does.
-    allowed = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None], keys, values, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
     return out.view(reqs, heads, head_dim)
 
 

@@ -60,6 +60,9 @@ class AttnMeta:
     write_blocks: torch.Tensor  # [N] slot_mapping // block_size: the page each new K/V goes to
     write_offsets: torch.Tensor  # [N] slot_mapping % block_size: its slot in that page
     padding: torch.Tensor | None  # flat indices into block_table of its padding; None: no padding
+    # On a step of single-token requests, [R, 1, 1, max_blocks * block_size]: the slots each
+    # request's query may see (built once here, not by every layer); None on other steps.
+    decode_mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,15 @@ def _attn_meta(
         write_blocks=blocks,
         write_offsets=offsets,
         padding=None if min(used) == width else padding_indices(valid),
+        decode_mask=visible_slots(width * block_size, positions) if max(lens) == 1 else None,
     )
+
+
+def visible_slots(num_slots: int, positions: torch.Tensor) -> torch.Tensor:
+    """[R, 1, 1, num_slots], SDPA's mask shape: which of its gathered slots each single-token
+    request's query may see (those up to its position)."""
+    slots = torch.arange(num_slots, device=positions.device)
+    return (slots[None, :] <= positions[:, None])[:, None, None]
 
 
 def padding_indices(valid: torch.Tensor) -> torch.Tensor:

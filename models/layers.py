@@ -186,7 +186,10 @@ class Rotary(nn.Module):
     The frequencies are not a buffer: casting the model to bf16 would round them. Every layer
     of a step rotates by the same positions tensor, so the cos/sin table of the last one seen
     is kept (with that tensor: its identity cannot be reused while held) and shared by all
-    layers; recomputing it was ~70 us for each of q and k in every layer of a decode step."""
+    layers; recomputing it was ~70 us for each of q and k in every layer of a decode step.
+    The table's sin carries rotate-half's sign (-sin on the first half), so the rotation is
+    `x * cos + roll(x) * sin`: three calls fewer than negating and concatenating the halves
+    (20 -> 10 us a call at batch 1), bit for bit the same (a sign flip is exact)."""
 
     _last: tuple[torch.Tensor, tuple[int, float, torch.dtype], torch.Tensor, torch.Tensor] | None = None
 
@@ -202,14 +205,13 @@ class Rotary(nn.Module):
             return last[2], last[3]
         exponents = torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim
         freqs = positions[..., None].float() * (1.0 / (self.theta**exponents))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dtype)[..., None, :], emb.sin().to(dtype)[..., None, :]
+        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)[..., None, :]
+        sin = freqs.sin()
+        sin = torch.cat((-sin, sin), dim=-1).to(dtype)[..., None, :]
         Rotary._last = (positions, key, cos, sin)
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., T, heads, head_dim]; positions broadcastable to [..., T]."""
-        cos, sin = self._table(positions, x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        cos, signed_sin = self._table(positions, x.dtype)
+        return x * cos + x.roll(self.head_dim // 2, -1) * signed_sin
