@@ -50,7 +50,7 @@ class StackedLinear(Linear):
         first = parts[0]
         biases = [p.bias for p in parts if p.bias is not None]
         if biases and len(biases) != len(parts):
-            raise ValueError("stacked: either every part has a bias or none has")
+            raise ValueError("StackedLinear: either every part has a bias or none has")
         self.sizes = tuple(p.out_features for p in parts)
         super().__init__(
             first.in_features, sum(self.sizes), bias=bool(biases), device=first.weight.device, dtype=first.weight.dtype
