@@ -2,10 +2,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 
 .PHONY: setup lint test test-faults soak test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 # torch is installed first, alone, so the pinned CPU build on local disk is taken and no
 # other requirement can pull a CUDA build in.
@@ -15,6 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
+
+# The C++ CPU decode kernels (models/cpu_kernels.py), compiled here (~1 min) so that engines
+# and tests start with them built; rebuilt when their source changes.
+$(KERNELS): $(STAMP) models/csrc/cpu_kernels.cpp models/cpu_kernels.py
+	$(PY) -m models.cpu_kernels
+	touch $(KERNELS)
 
 # Format, lint and types (configured in pyproject.toml); `make test` runs it first.
 lint: setup

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from models import cpu_kernels
 from models.batch import AttnMeta, ForwardBatch, padding_indices, visible_slots
 
 
@@ -35,8 +36,10 @@ def paged_attention(
     blocks, offsets = meta.write_blocks, meta.write_offsets
     k_cache[blocks, offsets] = _as(k, k_cache.dtype)
     v_cache[blocks, offsets] = _as(v, v_cache.dtype)
-    if meta.decode_mask is not None:
-        return _attend_decode(q, k_cache, v_cache, meta.block_table, meta.padding, meta.decode_mask, scale)
+    if batch.max_query_len == 1:
+        return _attend_decode(
+            q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, meta.decode_mask, scale
+        )
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
     if not single:
@@ -64,7 +67,8 @@ def paged_attention(
         v_cache,
         table,
         _padding(meta, reqs),
-        visible_slots(table.shape[1] * batch.block_size, batch.positions[rows]),
+        batch.positions[rows],
+        None,
         scale,
     )
     rows = torch.tensor(
@@ -95,6 +99,12 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def uses_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a decode step's attention runs the C++ kernel: on a CPU, with the cache in the
+    queries' dtype (a cache of another dtype is converted on the torch path)."""
+    return q.dtype == k_cache.dtype and cpu_kernels.usable(q, k_cache)
+
+
 def _padding(meta: AttnMeta, reqs: torch.Tensor) -> torch.Tensor | None:
     """The padding of the table's rows `reqs` (a step's decode rows or its chunk rows)."""
     return None if meta.padding is None else padding_indices(meta.block_valid[reqs])
@@ -119,11 +129,19 @@ def _attend_decode(
     v_cache: torch.Tensor,
     table: torch.Tensor,
     padding: torch.Tensor | None,
-    visible: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """One query per request. q: [R, H, D], visible: [R, 1, 1, S] (`visible_slots`). Returns
-    [R, H, D]."""
+    """One query per request. q: [R, H, D]; positions: [R]; visible: [R, 1, 1, S]
+    (`visible_slots`), or None to build it here. Returns [R, H, D].
+
+    On a CPU the C++ kernel reads the pages where they lie (docs/design.md §13); it needs
+    neither the table's padding nor the mask, as it stops at each request's position."""
+    if uses_cpu_kernel(q, k_cache):
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, positions, scale)
+    if visible is None:
+        visible = visible_slots(table.shape[1] * k_cache.shape[1], positions)
     reqs, heads, head_dim = q.shape
     keys = _as(_gather(k_cache, table, padding), q.dtype).transpose(1, 2)  # [R, KVH, S, D], a view
     values = _as(_gather(v_cache, table, padding), q.dtype).transpose(1, 2)

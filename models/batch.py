@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from models import cpu_kernels
+
 LayerCache = tuple[torch.Tensor, torch.Tensor]
 """Attention: (K, V), each [num_blocks, block_size, kv_heads, head_dim] in the cache dtype.
 Mamba: (conv state [num_blocks, conv_dim, kernel - 1], SSM state [num_blocks, heads, head_dim,
@@ -61,7 +63,8 @@ class AttnMeta:
     write_offsets: torch.Tensor  # [N] slot_mapping % block_size: its slot in that page
     padding: torch.Tensor | None  # flat indices into block_table of its padding; None: no padding
     # On a step of single-token requests, [R, 1, 1, max_blocks * block_size]: the slots each
-    # request's query may see (built once here, not by every layer); None on other steps.
+    # request's query may see (built once here, not by every layer); None on other steps and
+    # where the C++ decode kernel runs (it stops at each request's position).
     decode_mask: torch.Tensor | None
 
 
@@ -166,6 +169,7 @@ def _attn_meta(
     table = torch.tensor(rows, dtype=torch.long, device=device)
     valid = torch.arange(width, device=device)[None, :] < torch.tensor(used, device=device)[:, None]
     blocks, offsets = table[token_req, positions // block_size], positions % block_size
+    on_kernel = cpu_kernels.usable(table)  # the C++ decode kernel needs no mask
     return AttnMeta(
         block_table=table,
         block_valid=valid,
@@ -173,7 +177,7 @@ def _attn_meta(
         write_blocks=blocks,
         write_offsets=offsets,
         padding=None if min(used) == width else padding_indices(valid),
-        decode_mask=visible_slots(width * block_size, positions) if max(lens) == 1 else None,
+        decode_mask=visible_slots(width * block_size, positions) if max(lens) == 1 and not on_kernel else None,
     )
 
 

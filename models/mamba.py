@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models import cpu_kernels
 from models.batch import ForwardBatch
 from models.config import MambaSpec
 from models.layers import GatedRMSNorm, Linear
@@ -202,18 +203,16 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         x, b, c = self._ssm_inputs(F.silu(out))
-        rep = self.spec.num_heads // self.spec.n_groups
-        b, c = b.repeat_interleave(rep, dim=-2), c.repeat_interleave(rep, dim=-2)  # per head, [R, H, N]
         step = self._dt(dt[idx])  # [R, H]
-        y[idx] = ssm_step(ssm_cache, s, torch.exp(step * a), step[..., None] * x, b, c) + x * self.D.float()[:, None]
-
-
-# A state at least this big is updated where it lies, request by request: on a CPU it then
-# stays in cache between the decay, the write and the read-out, where gathering all the
-# states, updating and scattering them back streams every state through memory several times
-# (measured 4.6 -> 0.9 ms for 32 states of 256 KiB). Smaller states are cheaper batched: the
-# per-request loop costs a few microseconds of dispatch each.
-_IN_PLACE_STATE_BYTES = 64 << 10
+        decay, dx = torch.exp(step * a), step[..., None] * x
+        if cpu_kernels.usable(ssm_cache):
+            y_ssm = cpu_kernels.ssm_decode_step(ssm_cache, s, decay, dx, b, c)
+        else:
+            rep = self.spec.num_heads // self.spec.n_groups
+            y_ssm = ssm_step(
+                ssm_cache, s, decay, dx, b.repeat_interleave(rep, dim=-2), c.repeat_interleave(rep, dim=-2)
+            )
+        y[idx] = y_ssm + x * self.D.float()[:, None]
 
 
 def ssm_step(
@@ -224,21 +223,14 @@ def ssm_step(
     b: torch.Tensor,
     c: torch.Tensor,
 ) -> torch.Tensor:
-    """One token of the SSM recurrence for each request, updating its state slot in place:
+    """One token of the SSM recurrence for each request, updating its state slot:
     `S = decay * S + dx b^T; y = S c`. ssm_cache: [blocks, H, P, N]; slots: [R];
-    decay: [R, H]; dx: [R, H, P]; b, c: [R, H, N]. Returns y [R, H, P].
+    decay: [R, H]; dx: [R, H, P]; b, c: [R, H, N]. Returns y [R, H, P]. The torch path (a GPU,
+    or a CPU without the C++ kernel, which does this in one pass over each state).
 
     y is computed as `c^T S^T` (a row times a matrix): batched matrix-vector products with
     the vector on the right run several times slower on CPU."""
     decay, dx, b, c = decay[..., None, None], dx[..., None], b[..., None, :], c[..., None, :]
-    state_bytes = ssm_cache[0].numel() * ssm_cache.element_size()
-    if ssm_cache.device.type == "cpu" and state_bytes >= _IN_PLACE_STATE_BYTES:
-        y = dx.new_empty((dx.shape[0], dx.shape[1], 1, dx.shape[2]))
-        for slot, d_, x_, b_, c_, y_ in zip(slots.tolist(), decay, dx, b, c, y, strict=True):
-            state = ssm_cache[slot]
-            state.mul_(d_).addcmul_(x_, b_)
-            torch.matmul(c_, state.transpose(-1, -2), out=y_)
-        return y[:, :, 0]
     state = ssm_cache[slots]  # one gathered copy, updated in place, written back once
     state.mul_(decay).addcmul_(dx, b)
     ssm_cache.index_copy_(0, slots, state)

@@ -57,7 +57,7 @@ def test_paged_prefill_logits_match_transformers(loaded, block_size):
     assert (got - want).abs().max().item() < 1e-4
 
 
-def test_greedy_continuations_match_transformers_generate(loaded):
+def test_greedy_continuations_match_transformers_generate(loaded, decode_path):
     _, ours, ref = loaded
     for p in PROMPTS[:3]:
         got = greedy_generate(ours.model, [p], 32, eos_token_id=None, block_size=4)[0]
@@ -67,7 +67,7 @@ def test_greedy_continuations_match_transformers_generate(loaded):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_flat_batch_equals_each_alone(loaded, block_size):
+def test_flat_batch_equals_each_alone(loaded, decode_path, block_size):
     _, ours, _ = loaded
     alone = [greedy_generate(ours.model, [p], 24, None, block_size=block_size)[0] for p in PROMPTS]
     together = greedy_generate(ours.model, PROMPTS, 24, None, block_size=block_size)
@@ -81,7 +81,7 @@ def test_chunked_prefill_equals_one_shot(loaded, chunk):
     assert greedy_generate(ours.model, PROMPTS, 16, None, block_size=4, prefill_chunk=chunk) == one_shot
 
 
-def test_mixed_prefill_and_decode_in_one_call(loaded):
+def test_mixed_prefill_and_decode_in_one_call(loaded, decode_path):
     """Requests start one step apart, so every call mixes prefill chunks with decode tokens."""
     _, ours, _ = loaded
     block_size, chunk, new = 4, 9, 12

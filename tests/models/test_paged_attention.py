@@ -37,7 +37,7 @@ def _own_tokens(cache: torch.Tensor, ids: list[int], length: int) -> torch.Tenso
     return torch.cat([cache[b] for b in ids])[:length].transpose(0, 1)
 
 
-def test_decode_equals_attention_over_each_requests_own_tokens():
+def test_decode_equals_attention_over_each_requests_own_tokens(decode_path):
     k_cache, v_cache = _pages()
     computed, blocks = [5, 1, 11], [[3, 7], [9], [2, 12, 4]]
     q, out = _decode(computed, blocks, k_cache, v_cache)
@@ -49,7 +49,7 @@ def test_decode_equals_attention_over_each_requests_own_tokens():
         torch.testing.assert_close(out[r], want[:, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_nan_in_an_owned_unused_slot_reaches_the_output_and_other_pages_do_not():
+def test_a_nan_in_an_owned_unused_slot_reaches_the_output_and_other_pages_do_not(decode_path):
     k_cache, v_cache = _pages()
     v_cache[7, 3] = float("nan")  # request 0's second block, a slot past its position
     k_cache[0] = v_cache[0] = float("nan")  # nobody's page: request 1's table padding points at it

@@ -1,0 +1,109 @@
+"""The C++ decode kernels (models/csrc/cpu_kernels.cpp), built on first use.
+
+On a CPU a decode step's attention gathered every request's K/V pages into one tensor and
+then read the copy again; the Mamba2 state update ran three ops per request. The kernels
+read pages and states where they lie (docs/design.md §13). They are compiled once per
+source and compiler flags into `.venv/torch_extensions` (a few tens of seconds; `make
+setup` does it, so engines start with it built). Where no compiler works the engines run the
+torch path, which is also the path on a GPU, and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+ENV_DISABLE = "RAYPD_CPU_KERNELS"
+"""Set to 0 to run the torch path on a CPU too (to compare the two)."""
+
+
+def _cpu_flags() -> list[str]:
+    """AVX2 and FMA where this CPU has them: the kernels' inner loops are 64-float dot
+    products and updates, twice as wide as with the SSE2 that x86-64 guarantees. Not
+    `-march=native`, so a build stays usable on another x86-64 host with AVX2."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+
+
+def _build_dir() -> Path:
+    """Beside the interpreter's environment, so a fresh checkout builds its own."""
+    root = Path(sys.prefix) / "torch_extensions" / "raypd_cpu_kernels"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@cache
+def load() -> ModuleType | None:
+    """The compiled kernels, or None where they are turned off or cannot be built."""
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        return build(
+            name="raypd_cpu_kernels",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *_cpu_flags()],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir()),
+        )
+    except (OSError, RuntimeError, ImportError) as exc:
+        log.warning("CPU decode kernels unavailable, running the torch path: %s", exc)
+        return None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on the CPU, and the kernels built."""
+    return all(t.device.type == "cpu" for t in tensors) and load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per request, q: [R, H, D], over pages [blocks, block_size, KVH, D] through
+    `table` [R, W]; request r sees slots 0..positions[r]. Returns [R, H, D]."""
+    kernels = load()
+    assert kernels is not None, "paged_decode_attention called without usable() kernels"
+    return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, positions, scale)
+
+
+def ssm_decode_step(
+    ssm_cache: torch.Tensor,
+    slots: torch.Tensor,
+    decay: torch.Tensor,
+    dx: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> torch.Tensor:
+    """`S = decay * S + dx b^T; y = S c` in each request's state slot. ssm_cache: [blocks, H,
+    P, N] fp32; decay [R, H]; dx [R, H, P]; b, c [R, G, N]. Returns y [R, H, P]."""
+    kernels = load()
+    assert kernels is not None, "ssm_decode_step called without usable() kernels"
+    return kernels.ssm_decode_step(ssm_cache, slots, decay, dx.contiguous(), b.contiguous(), c.contiguous())
+
+
+if __name__ == "__main__":
+    if load() is None:
+        raise SystemExit("the CPU decode kernels did not build (see the warning above)")
+    print(f"CPU decode kernels built in {_build_dir()}")

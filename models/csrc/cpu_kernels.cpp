@@ -1,0 +1,190 @@
+// CPU kernels for the decode step (docs/design.md §13): paged attention that reads K/V pages
+// where they lie, and the Mamba2 state update that reads and writes each state once.
+// Built on first use by models/cpu_kernels.py; every op checks its inputs and raises
+// (a Python exception), never reads out of bounds.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+}
+
+// One query per request. For each (request, KV head) the group's query heads score every
+// visible slot, then take the softmax-weighted sum of the values. Slots past the query's
+// position in its last block are added with weight 0, as the gathering path's mask does,
+// so a NaN left in an allocated page still reaches the output (docs/design.md §1).
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& table, const torch::Tensor& positions, double scale,
+                           torch::Tensor& out) {
+  const int64_t reqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, width = table.size(1);
+  const int64_t kpage = k_cache.stride(0), kslot = k_cache.stride(1), khead = k_cache.stride(2);
+  const int64_t vpage = v_cache.stride(0), vslot = v_cache.stride(1), vhead = v_cache.stride(2);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, kvh = task % kv_heads;
+      const int64_t visible = pos_ptr[r] + 1;
+      const int64_t blocks = (visible + block - 1) / block;
+      const int64_t* row = table_ptr + r * width;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + (r * heads + kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]) * fscale;
+      }
+      scores.resize(group * visible);
+      std::vector<float> top(group, -std::numeric_limits<float>::infinity());
+      for (int64_t s = 0; s < visible; ++s) {
+        const T* key = k_ptr + row[s / block] * kpage + (s % block) * kslot + kvh * khead;
+        for (int64_t g = 0; g < group; ++g) {
+          const float x = dot(qf.data() + g * dim, key, dim);
+          scores[g * visible + s] = x;
+          top[g] = std::max(top[g], x);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> total(group, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * visible;
+        for (int64_t s = 0; s < visible; ++s) {
+          sc[s] = std::exp(sc[s] - top[g]);
+          total[g] += sc[s];
+        }
+      }
+      for (int64_t s = 0; s < blocks * block; ++s) {
+        const T* value = v_ptr + row[s / block] * vpage + (s % block) * vslot + kvh * vhead;
+        for (int64_t g = 0; g < group; ++g)
+          axpy(s < visible ? scores[g * visible + s] : 0.f, value, acc.data() + g * dim, dim);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_ptr + (r * heads + kvh * group + g) * dim;
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+void check_pages(const torch::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(cache.stride(3) == 1, name, "'s head_dim must be contiguous");
+}
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& table,
+                                     const torch::Tensor& positions, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [requests, heads, head_dim]");
+  check_pages(k_cache, "k_cache");
+  check_pages(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q's head_dim differs from the cache's");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && table.scalar_type() == torch::kLong &&
+                  table.is_contiguous(),
+              "table must be a contiguous int64 [requests, blocks]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q.size(0) && positions.scalar_type() == torch::kLong &&
+                  positions.is_contiguous(),
+              "positions must be a contiguous int64 [requests]");
+  const int64_t block = k_cache.size(1), num_blocks = k_cache.size(0), width = table.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* rows = table.data_ptr<int64_t>();
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < width * block, "position ", pos[r], " of request ", r, " is outside its table");
+    for (int64_t b = 0; b <= pos[r] / block; ++b)
+      TORCH_CHECK(rows[r * width + b] >= 0 && rows[r * width + b] < num_blocks, "block ", rows[r * width + b],
+                  " of request ", r, " is outside the cache");
+  }
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, table, positions, scale, out);
+  });
+  return out;
+}
+
+// S = decay * S + dx b^T and y = S c for each (request, head), in the request's state slot:
+// one read and one write of each state. b and c are per group of heads (h / (H / G)).
+torch::Tensor ssm_decode_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& decay,
+                              const torch::Tensor& dx, const torch::Tensor& b, const torch::Tensor& c) {
+  TORCH_CHECK(cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, H, P, N]");
+  const int64_t heads = cache.size(1), pdim = cache.size(2), nstate = cache.size(3);
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == nstate && cache.stride(1) == pdim * nstate,
+              "each state slot must be contiguous");
+  const int64_t reqs = slots.size(0);
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 [requests]");
+  for (const auto* t : {&decay, &dx, &b, &c})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->size(0) == reqs,
+                "decay, dx, b and c must be contiguous float32 with one row per request");
+  TORCH_CHECK(decay.dim() == 2 && decay.size(1) == heads, "decay must be [requests, H]");
+  TORCH_CHECK(dx.dim() == 3 && dx.size(1) == heads && dx.size(2) == pdim, "dx must be [requests, H, P]");
+  TORCH_CHECK(b.dim() == 3 && b.sizes() == c.sizes() && b.size(2) == nstate && b.size(1) > 0 && heads % b.size(1) == 0,
+              "b and c must be [requests, G, N] with G dividing H");
+  const int64_t groups = b.size(1), per_group = heads / groups, page = cache.stride(0);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < reqs; ++r)
+    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < cache.size(0), "slot ", slot_ptr[r], " is outside the cache");
+  auto y = torch::empty_like(dx);
+  float* state_ptr = cache.data_ptr<float>();
+  const float *decay_ptr = decay.data_ptr<float>(), *dx_ptr = dx.data_ptr<float>();
+  const float *b_ptr = b.data_ptr<float>(), *c_ptr = c.data_ptr<float>();
+  float* y_ptr = y.data_ptr<float>();
+  at::parallel_for(0, reqs * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / heads, h = task % heads;
+      float* state = state_ptr + slot_ptr[r] * page + h * pdim * nstate;
+      const float d = decay_ptr[task];
+      const float* bv = b_ptr + (r * groups + h / per_group) * nstate;
+      const float* cv = c_ptr + (r * groups + h / per_group) * nstate;
+      const float* x = dx_ptr + task * pdim;
+      float* out = y_ptr + task * pdim;
+      for (int64_t p = 0; p < pdim; ++p) {
+        float* row = state + p * nstate;
+        const float xp = x[p];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < nstate; ++n) {
+          row[n] = d * row[n] + xp * bv[n];
+          acc += row[n] * cv[n];
+        }
+        out[p] = acc;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("ssm_decode_step", &ssm_decode_step);
+}

@@ -1,0 +1,100 @@
+"""The C++ CPU decode kernels against the torch path they replace on a CPU: the same outputs
+and state updates on page-strided cache views, bf16 as well as fp32, and a clear error (not a
+read out of bounds) for a table or slot that points outside the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import cpu_kernels
+from models.attention import _attend_decode
+from models.batch import cdiv, padding_indices
+from models.mamba import ssm_step
+
+BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_kernels.load() is not None, "the CPU kernels did not build"
+
+
+def _pages(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-major pages with room for other layers between them, as kv/cache_layout.py lays out."""
+    buf = torch.randn(BLOCKS, 3, KV_HEADS, BLOCK, DIM).to(dtype)
+    return buf[:, 0].transpose(1, 2), buf[:, 1].transpose(1, 2)
+
+
+def _table(positions: list[int], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    used = [cdiv(p + 1, BLOCK) for p in positions]
+    width = max(used)
+    pages = torch.randperm(BLOCKS, generator=generator)
+    rows, next_page = [], 0
+    for u in used:
+        rows.append([*pages[next_page : next_page + u].tolist(), *[0] * (width - u)])
+        next_page += u
+    valid = torch.arange(width)[None, :] < torch.tensor(used)[:, None]
+    return torch.tensor(rows), (padding_indices(valid) if min(used) < width else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_decode_attention_matches_the_torch_path(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    k_cache, v_cache = _pages(dtype)
+    positions = torch.randint(0, 6 * BLOCK, (5,), generator=gen)
+    positions[0] = BLOCK - 1  # a full last block
+    table, padding = _table(positions.tolist(), gen)
+    q = torch.randn(5, HEADS, DIM).to(dtype)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, positions, DIM**-0.5)
+    want = _with_torch(q, k_cache, v_cache, table, padding, positions)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def _with_torch(q, k_cache, v_cache, table, padding, positions) -> torch.Tensor:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "usable", lambda *tensors: False)
+        return _attend_decode(q, k_cache, v_cache, table, padding, positions, None, DIM**-0.5)
+
+
+def test_out_of_range_tables_are_refused():
+    k_cache, v_cache = _pages(torch.float32)
+    q = torch.randn(1, HEADS, DIM)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[BLOCKS]]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="outside its table"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0]]), torch.tensor([BLOCK]), 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.paged_decode_attention(q.double(), k_cache, v_cache, torch.tensor([[0]]), torch.tensor([0]), 1.0)
+
+
+def _states(heads: int, pdim: int, nstate: int) -> torch.Tensor:
+    """[blocks, H, P, N] fp32 views with a conv state before each, as a Mamba page holds them."""
+    page = torch.randn(BLOCKS, 100 + heads * pdim * nstate)
+    return page[:, 100:].view(BLOCKS, heads, pdim, nstate)
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(4, 1), (4, 2), (6, 6)])
+def test_ssm_decode_step_matches_the_torch_path(heads, groups):
+    torch.manual_seed(heads * 10 + groups)
+    pdim, nstate, reqs = 8, 16, 5
+    kernel_cache = _states(heads, pdim, nstate)
+    torch_cache = kernel_cache.clone()
+    slots = torch.randperm(BLOCKS)[:reqs]
+    decay, dx = torch.rand(reqs, heads), torch.randn(reqs, heads, pdim)
+    b, c = torch.randn(reqs, groups, nstate), torch.randn(reqs, groups, nstate)
+    got = cpu_kernels.ssm_decode_step(kernel_cache, slots, decay, dx, b, c)
+    rep = heads // groups
+    want = ssm_step(torch_cache, slots, decay, dx, b.repeat_interleave(rep, 1), c.repeat_interleave(rep, 1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel_cache, torch_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_ssm_slots_outside_the_cache_are_refused():
+    cache = _states(2, 4, 8)
+    args = (torch.rand(1, 2), torch.randn(1, 2, 4), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.ssm_decode_step(cache, torch.tensor([BLOCKS]), *args)
