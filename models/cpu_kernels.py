@@ -10,6 +10,7 @@ torch path, which is also the path on a GPU, and say so once in the log.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -42,8 +43,10 @@ def _cpu_flags() -> list[str]:
 
 
 def _build_dir() -> Path:
-    """Beside the interpreter's environment, so a fresh checkout builds its own."""
-    root = Path(sys.prefix) / "torch_extensions" / "raypd_cpu_kernels"
+    """Beside the interpreter's environment, one per source: checkouts of different sources
+    sharing an environment (a benchmark's A/B) would otherwise rebuild over each other."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(sys.prefix) / "torch_extensions" / f"raypd_cpu_kernels_{digest}"
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -69,8 +72,13 @@ def load() -> ModuleType | None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: all on the CPU, and the kernels built."""
-    return all(t.device.type == "cpu" for t in tensors) and load() is not None
+    """Whether the kernels take these tensors: all on the CPU, none needing a gradient (the
+    kernels have no backward; training keeps the torch ops), and the kernels built."""
+    if not all(t.device.type == "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return load() is not None
 
 
 def paged_decode_attention(
@@ -101,6 +109,15 @@ def ssm_decode_step(
     kernels = load()
     assert kernels is not None, "ssm_decode_step called without usable() kernels"
     return kernels.ssm_decode_step(ssm_cache, slots, decay, dx.contiguous(), b.contiguous(), c.contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`F.rms_norm` over the last dim of an fp32 CPU tensor, with or without a weight."""
+    kernels = load()
+    assert kernels is not None, "rms_norm called without usable() kernels"
+    if x.dim() in (2, 3) and x.stride(-1) == 1:
+        return kernels.rms_norm(x, weight, eps)
+    return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models import cpu_kernels
 from models.tensor_parallel import SINGLE, TPGroup
 
 # The batch size oneDNN lays a packed weight out for; any other size reads it as well
@@ -130,8 +131,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:  # one op instead of seven, the same arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if dtype == torch.float32:
+            return _rms_norm_fp32(x, self.weight, self.eps)
         if self.weight_in_fp32:
             return (self.weight.float() * self._normalized_fp32(x)).to(dtype)
         return self.weight * self.normalize(x)
@@ -141,12 +142,20 @@ class RMSNorm(nn.Module):
         bit, where the weight multiplies after the cast), so norms of equal size and eps can
         normalise one tensor together and apply their weights as one stacked weight."""
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, None, self.eps)
+            return _rms_norm_fp32(x, None, self.eps)
         return self._normalized_fp32(x).to(x.dtype)
 
     def _normalized_fp32(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`F.rms_norm` on fp32: the C++ kernel on a CPU (one pass; torch's CPU op is seven calls
+    and ~30 us on a single row, docs/design.md §13), torch's op elsewhere and in training."""
+    if cpu_kernels.usable(x) and (weight is None or cpu_kernels.usable(weight)):
+        return cpu_kernels.rms_norm(x, weight, eps)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -168,7 +177,7 @@ class GatedRMSNorm(nn.Module):
         if self.group_size <= h.shape[-1]:
             # One op instead of five passes over the hybrid's widest activations, the same
             # arithmetic: this norm was a tenth of a prefill.
-            normed = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps)
+            normed = _rms_norm_fp32(h.view(*h.shape[:-1], -1, self.group_size), None, self.eps)
         else:
             g = h[..., None, :]
             mean = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True)) / self.group_size

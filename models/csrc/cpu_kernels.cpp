@@ -182,9 +182,48 @@ torch::Tensor ssm_decode_step(torch::Tensor& cache, const torch::Tensor& slots, 
   return y;
 }
 
+// x * rsqrt(mean(x^2) + eps) [* weight] over the last dim of a [rows, D] or [A, B, D] fp32
+// tensor whose rows may be strided (a slice of a stacked projection): one pass to sum the
+// squares and one to scale, where the composite op took seven calls.
+torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "x must be a float32 CPU tensor");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, "x must be [rows, D] or [A, B, D], D contiguous");
+  const int64_t dim = x.size(-1), inner = x.size(-2), outer = x.dim() == 3 ? x.size(0) : 1;
+  const int64_t outer_stride = x.dim() == 3 ? x.stride(0) : 0, inner_stride = x.stride(-2);
+  const float* w = nullptr;
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->scalar_type() == torch::kFloat && weight->is_contiguous() && weight->numel() == dim,
+                "weight must be a contiguous float32 [D]");
+    w = weight->data_ptr<float>();
+  }
+  auto out = torch::empty(x.sizes(), x.options());
+  const float* x_ptr = x.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, outer * inner, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* src = x_ptr + (row / inner) * outer_stride + (row % inner) * inner_stride;
+      float* dst = out_ptr + row * dim;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i) squares += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + feps);
+      if (w != nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) dst[i] = src[i] * inv * w[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) dst[i] = src[i] * inv;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("ssm_decode_step", &ssm_decode_step);
+  m.def("rms_norm", &rms_norm);
 }

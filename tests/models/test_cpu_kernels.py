@@ -10,6 +10,7 @@ import torch
 from models import cpu_kernels
 from models.attention import _attend_decode
 from models.batch import cdiv, padding_indices
+from models.layers import RMSNorm
 from models.mamba import ssm_step
 
 BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
@@ -98,3 +99,30 @@ def test_ssm_slots_outside_the_cache_are_refused():
     args = (torch.rand(1, 2), torch.randn(1, 2, 4), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_kernels.ssm_decode_step(cache, torch.tensor([BLOCKS]), *args)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 48),
+        lambda: torch.randn(3, 7, 16),
+        lambda: torch.randn(4, 10, 16)[:, 2:8],  # a strided slice, as of a stacked projection
+        lambda: torch.randn(2, 3, 4, 16),  # more leading dims than the kernel walks
+    ],
+)
+def test_rms_norm_matches_torch(make, weighted):
+    x = make()
+    weight = torch.randn(x.shape[-1]) if weighted else None
+    want = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, 1e-6)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), want, rtol=1e-6, atol=1e-6)
+
+
+def test_norms_that_need_a_gradient_keep_the_torch_op():
+    """The kernels have no backward: training (models/train_tiny.py) must still get gradients."""
+    norm = RMSNorm(16, 1e-6, weight_in_fp32=False)
+    x = torch.randn(3, 16, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), cpu_kernels.rms_norm(x, norm.weight, 1e-6))
