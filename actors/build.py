@@ -44,6 +44,7 @@ def worker_config(
         dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype,
         device=cfg.resolved_device,
+        cpu_kernels=cfg.cpu_kernels,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
         kv_cache_memory=cfg.kv_cache_memory // tp,

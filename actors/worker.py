@@ -37,6 +37,7 @@ from kv.nixl_worker import NixlWorkerConnector
 from kv.tp_slices import PageSlicer, read_pieces
 from kv.transfer_stats import TransferStats
 from kv.verify import HandOverChecksums, algorithm
+from models import cpu_kernels
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.loader import load_config, load_model
@@ -73,6 +74,7 @@ class WorkerConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
+    cpu_kernels: bool = True  # the C++ decode kernels on a CPU (models/cpu_kernels.py)
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -105,6 +107,7 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = torch.device(cfg.device)
+        cpu_kernels.enable(cfg.cpu_kernels)
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and self.full_config.dtype.itemsize < 4:

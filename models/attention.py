@@ -34,8 +34,11 @@ def paged_attention(
     queries are padded to the longest chunk of their own kind, so a prefill chunk in the
     step does not make every decode request carry hundreds of padded query rows."""
     blocks, offsets = meta.write_blocks, meta.write_offsets
-    k_cache[blocks, offsets] = _as(k, k_cache.dtype)
-    v_cache[blocks, offsets] = _as(v, v_cache.dtype)
+    if uses_cpu_kernel(k, k_cache):
+        cpu_kernels.write_kv(k_cache, v_cache, k, v, blocks, offsets)
+    else:
+        k_cache[blocks, offsets] = _as(k, k_cache.dtype)
+        v_cache[blocks, offsets] = _as(v, v_cache.dtype)
     if batch.max_query_len == 1:
         return _attend_decode(
             q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, meta.decode_mask, scale
@@ -100,7 +103,7 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def uses_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether a decode step's attention runs the C++ kernel: on a CPU, with the cache in the
+    """Whether the C++ kernels write and read the pages: on a CPU, with the cache in the
     queries' dtype (a cache of another dtype is converted on the torch path)."""
     return q.dtype == k_cache.dtype and cpu_kernels.usable(q, k_cache)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import sys
 from functools import cache
@@ -24,8 +23,17 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-ENV_DISABLE = "RAYPD_CPU_KERNELS"
-"""Set to 0 to run the torch path on a CPU too (to compare the two)."""
+
+
+class _Switch:
+    """Whether this process runs the kernels: a worker sets it from its config (`--no-cpu-kernels`
+    runs the torch path on a CPU too, to compare the two)."""
+
+    on = True
+
+
+def enable(on: bool) -> None:
+    _Switch.on = on
 
 
 def _cpu_flags() -> list[str]:
@@ -53,9 +61,7 @@ def _build_dir() -> Path:
 
 @cache
 def load() -> ModuleType | None:
-    """The compiled kernels, or None where they are turned off or cannot be built."""
-    if os.environ.get(ENV_DISABLE, "1") == "0":
-        return None
+    """The compiled kernels, or None where they cannot be built."""
     from torch.utils.cpp_extension import load as build
 
     try:
@@ -78,7 +84,22 @@ def usable(*tensors: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return load() is not None
+    return _Switch.on and load() is not None
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """Each new token's K and V [N, KVH, D], in the caches' dtype, into slot (blocks[i],
+    offsets[i]) of the pages [blocks, block_size, KVH, D]."""
+    kernels = load()
+    assert kernels is not None, "write_kv called without usable() kernels"
+    kernels.write_kv(k_cache, v_cache, k, v, blocks, offsets)
 
 
 def paged_decode_attention(
@@ -96,19 +117,39 @@ def paged_decode_attention(
     return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, positions, scale)
 
 
-def ssm_decode_step(
+def mamba_conv_step(
+    conv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mamba2's causal depthwise convolution for one token of each request, then silu, its
+    state [blocks, C, K - 1] (fp32) advanced in place. x: [R, C] fp32. Returns [R, C]."""
+    kernels = load()
+    assert kernels is not None, "mamba_conv_step called without usable() kernels"
+    return kernels.mamba_conv_step(conv_cache, slots, x, weight, bias)
+
+
+def mamba_ssm_step(
     ssm_cache: torch.Tensor,
     slots: torch.Tensor,
-    decay: torch.Tensor,
-    dx: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
     b: torch.Tensor,
     c: torch.Tensor,
 ) -> torch.Tensor:
-    """`S = decay * S + dx b^T; y = S c` in each request's state slot. ssm_cache: [blocks, H,
-    P, N] fp32; decay [R, H]; dx [R, H, P]; b, c [R, G, N]. Returns y [R, H, P]."""
+    """One token of the Mamba2 recurrence for each request, in its state slot [blocks, H, P, N]
+    (fp32): `step = max(softplus(dt + dt_bias), dt_min)`, `S = exp(step a) S + step x b^T`,
+    `y = S c + D x`. params: (dt_bias, a, D, dt_min); x [R, H, P]; dt [R, H]; b, c [R, G, N],
+    all fp32. Returns y [R, H, P]."""
     kernels = load()
-    assert kernels is not None, "ssm_decode_step called without usable() kernels"
-    return kernels.ssm_decode_step(ssm_cache, slots, decay, dx.contiguous(), b.contiguous(), c.contiguous())
+    assert kernels is not None, "mamba_ssm_step called without usable() kernels"
+    dt_bias, a, d, dt_min = params
+    return kernels.mamba_ssm_step(
+        ssm_cache, slots, x.contiguous(), dt.contiguous(), dt_bias, a, d, b.contiguous(), c.contiguous(), dt_min
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

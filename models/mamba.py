@@ -195,6 +195,12 @@ class Mamba2Mixer(nn.Module):
         else:
             idx = torch.tensor([batch.query_start[r] for r in reqs], device=xbc.device)
             s = slots[torch.tensor(reqs, device=slots.device)]
+        if xbc.dtype == torch.float32 and cpu_kernels.usable(ssm_cache, xbc):
+            out = cpu_kernels.mamba_conv_step(conv_cache, s, xbc[idx], self.conv1d.weight, self.conv1d.bias)
+            x, b, c = self._ssm_inputs(out)
+            params = (self.dt_bias, a, self.D, self.spec.time_step_min)
+            y[idx] = cpu_kernels.mamba_ssm_step(ssm_cache, s, x, dt[idx], params, b, c)
+            return
         # index_select / index_copy_ over the page-strided state views: advanced indexing
         # (`conv_cache[s]`, `conv_cache[s] = ...`) took 1.2-2x as long.
         window = torch.cat([conv_cache.index_select(0, s).to(xbc.dtype), xbc[idx][..., None]], dim=-1)  # [R, C, K]
@@ -203,16 +209,10 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         x, b, c = self._ssm_inputs(F.silu(out))
+        rep = self.spec.num_heads // self.spec.n_groups
+        b, c = b.repeat_interleave(rep, dim=-2), c.repeat_interleave(rep, dim=-2)  # per head, [R, H, N]
         step = self._dt(dt[idx])  # [R, H]
-        decay, dx = torch.exp(step * a), step[..., None] * x
-        if cpu_kernels.usable(ssm_cache):
-            y_ssm = cpu_kernels.ssm_decode_step(ssm_cache, s, decay, dx, b, c)
-        else:
-            rep = self.spec.num_heads // self.spec.n_groups
-            y_ssm = ssm_step(
-                ssm_cache, s, decay, dx, b.repeat_interleave(rep, dim=-2), c.repeat_interleave(rep, dim=-2)
-            )
-        y[idx] = y_ssm + x * self.D.float()[:, None]
+        y[idx] = ssm_step(ssm_cache, s, torch.exp(step * a), step[..., None] * x, b, c) + x * self.D.float()[:, None]
 
 
 def ssm_step(
@@ -226,7 +226,7 @@ def ssm_step(
     """One token of the SSM recurrence for each request, updating its state slot:
     `S = decay * S + dx b^T; y = S c`. ssm_cache: [blocks, H, P, N]; slots: [R];
     decay: [R, H]; dx: [R, H, P]; b, c: [R, H, N]. Returns y [R, H, P]. The torch path (a GPU,
-    or a CPU without the C++ kernel, which does this in one pass over each state).
+    or a CPU without the C++ kernels, `cpu_kernels.mamba_ssm_step`).
 
     y is computed as `c^T S^T` (a row times a matrix): batched matrix-vector products with
     the vector on the right run several times slower on CPU."""

@@ -1,5 +1,6 @@
 // CPU kernels for the decode step (docs/design.md §13): paged attention that reads K/V pages
-// where they lie, and the Mamba2 state update that reads and writes each state once.
+// where they lie, Mamba2's convolution and state update that read and write each state once,
+// and RMS norm in one pass.
 // Built on first use by models/cpu_kernels.py; every op checks its inputs and raises
 // (a Python exception), never reads out of bounds.
 #include <torch/extension.h>
@@ -7,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -95,6 +97,45 @@ void check_pages(const torch::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.stride(3) == 1, name, "'s head_dim must be contiguous");
 }
 
+// Each new token's K and V into its slot (blocks[i], offsets[i]) of the pages: one call where
+// two indexed assignments each took ~20 us at batch 1.
+void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& blocks, const torch::Tensor& offsets) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors only");
+  check_pages(k_cache, "k_cache");
+  check_pages(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  const int64_t tokens = k.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == kv_heads && t->size(2) == dim &&
+                    t->stride(2) == 1 && t->scalar_type() == k_cache.scalar_type() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                "k and v must be [tokens, kv_heads, head_dim] in the caches' dtype");
+  for (const auto* t : {&blocks, &offsets})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == tokens && t->scalar_type() == torch::kLong && t->is_contiguous(),
+                "blocks and offsets must be contiguous int64 [tokens]");
+  const int64_t* block_ptr = blocks.data_ptr<int64_t>();
+  const int64_t* offset_ptr = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i)
+    TORCH_CHECK(block_ptr[i] >= 0 && block_ptr[i] < k_cache.size(0) && offset_ptr[i] >= 0 &&
+                    offset_ptr[i] < k_cache.size(1),
+                "slot (", block_ptr[i], ", ", offset_ptr[i], ") is outside the cache");
+  const size_t row_bytes = dim * k.element_size();
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  const int64_t item = k.element_size();
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t k_at = block_ptr[i] * k_cache.stride(0) + offset_ptr[i] * k_cache.stride(1) + h * k_cache.stride(2);
+      const int64_t v_at = block_ptr[i] * v_cache.stride(0) + offset_ptr[i] * v_cache.stride(1) + h * v_cache.stride(2);
+      std::memcpy(k_dst + k_at * item, k_src + (i * k.stride(0) + h * k.stride(1)) * item, row_bytes);
+      std::memcpy(v_dst + v_at * item, v_src + (i * v.stride(0) + h * v.stride(1)) * item, row_bytes);
+    }
+}
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& table,
                                      const torch::Tensor& positions, double scale) {
@@ -129,10 +170,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
-// S = decay * S + dx b^T and y = S c for each (request, head), in the request's state slot:
-// one read and one write of each state. b and c are per group of heads (h / (H / G)).
-torch::Tensor ssm_decode_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& decay,
-                              const torch::Tensor& dx, const torch::Tensor& b, const torch::Tensor& c) {
+// The Mamba2 recurrence for one token of each request, in the request's state slot: one read
+// and one write of each state. Per (request, head): step = max(softplus(dt + dt_bias), dt_min),
+// S = exp(step * a) * S + (step * x) b^T, y = S c + d * x. b and c are per group of heads
+// (h / (H / G)).
+torch::Tensor mamba_ssm_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                             const torch::Tensor& dt, const torch::Tensor& dt_bias, const torch::Tensor& a,
+                             const torch::Tensor& d, const torch::Tensor& b, const torch::Tensor& c, double dt_min) {
   TORCH_CHECK(cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, H, P, N]");
   const int64_t heads = cache.size(1), pdim = cache.size(2), nstate = cache.size(3);
@@ -141,45 +185,101 @@ torch::Tensor ssm_decode_step(torch::Tensor& cache, const torch::Tensor& slots, 
   const int64_t reqs = slots.size(0);
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
               "slots must be a contiguous int64 [requests]");
-  for (const auto* t : {&decay, &dx, &b, &c})
+  for (const auto* t : {&x, &dt, &b, &c})
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->size(0) == reqs,
-                "decay, dx, b and c must be contiguous float32 with one row per request");
-  TORCH_CHECK(decay.dim() == 2 && decay.size(1) == heads, "decay must be [requests, H]");
-  TORCH_CHECK(dx.dim() == 3 && dx.size(1) == heads && dx.size(2) == pdim, "dx must be [requests, H, P]");
+                "x, dt, b and c must be contiguous float32 with one row per request");
+  for (const auto* t : {&dt_bias, &a, &d})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 1 && t->size(0) == heads,
+                "dt_bias, a and d must be contiguous float32 [H]");
+  TORCH_CHECK(dt.dim() == 2 && dt.size(1) == heads, "dt must be [requests, H]");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == pdim, "x must be [requests, H, P]");
   TORCH_CHECK(b.dim() == 3 && b.sizes() == c.sizes() && b.size(2) == nstate && b.size(1) > 0 && heads % b.size(1) == 0,
               "b and c must be [requests, G, N] with G dividing H");
   const int64_t groups = b.size(1), per_group = heads / groups, page = cache.stride(0);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < reqs; ++r)
     TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < cache.size(0), "slot ", slot_ptr[r], " is outside the cache");
-  auto y = torch::empty_like(dx);
+  auto y = torch::empty_like(x);
   float* state_ptr = cache.data_ptr<float>();
-  const float *decay_ptr = decay.data_ptr<float>(), *dx_ptr = dx.data_ptr<float>();
+  const float *x_ptr = x.data_ptr<float>(), *dt_ptr = dt.data_ptr<float>();
+  const float *bias_ptr = dt_bias.data_ptr<float>(), *a_ptr = a.data_ptr<float>(), *d_ptr = d.data_ptr<float>();
   const float *b_ptr = b.data_ptr<float>(), *c_ptr = c.data_ptr<float>();
   float* y_ptr = y.data_ptr<float>();
+  const float fmin = static_cast<float>(dt_min);
   at::parallel_for(0, reqs * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / heads, h = task % heads;
+      const float raw = dt_ptr[task] + bias_ptr[h];
+      const float step = std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), fmin);  // F.softplus
+      const float decay = std::exp(step * a_ptr[h]);
       float* state = state_ptr + slot_ptr[r] * page + h * pdim * nstate;
-      const float d = decay_ptr[task];
       const float* bv = b_ptr + (r * groups + h / per_group) * nstate;
       const float* cv = c_ptr + (r * groups + h / per_group) * nstate;
-      const float* x = dx_ptr + task * pdim;
+      const float* xs = x_ptr + task * pdim;
       float* out = y_ptr + task * pdim;
       for (int64_t p = 0; p < pdim; ++p) {
         float* row = state + p * nstate;
-        const float xp = x[p];
+        const float dx = step * xs[p];
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < nstate; ++n) {
-          row[n] = d * row[n] + xp * bv[n];
+          row[n] = decay * row[n] + dx * bv[n];
           acc += row[n] * cv[n];
         }
-        out[p] = acc;
+        out[p] = acc + xs[p] * d_ptr[h];
       }
     }
   });
   return y;
+}
+
+// Mamba2's causal depthwise convolution for one token of each request: window = [state, x],
+// out = silu(sum_k window[k] * weight[k] + bias), and the state keeps the window's last K - 1.
+torch::Tensor mamba_conv_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                              const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(cache.device().is_cpu() && x.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, C, K - 1]");
+  const int64_t channels = cache.size(1), keep = cache.size(2), kernel = keep + 1;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) == channels,
+              "x must be float32 [requests, C] with C contiguous");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() && weight.numel() == channels * kernel,
+              "weight must be a contiguous float32 [C, 1, K]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == channels,
+                "bias must be a contiguous float32 [C]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int64_t reqs = x.size(0);
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == reqs && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 [requests]");
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < reqs; ++r)
+    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < cache.size(0), "slot ", slot_ptr[r], " is outside the cache");
+  auto out = torch::empty({reqs, channels}, x.options());
+  float* state_ptr = cache.data_ptr<float>();
+  const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t page = cache.stride(0), cstride = cache.stride(1), kstride = cache.stride(2);
+  const int64_t xrow = x.stride(0);
+  at::parallel_for(0, reqs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* state = state_ptr + slot_ptr[r] * page;
+      for (int64_t ch = 0; ch < channels; ++ch) {
+        float* st = state + ch * cstride;
+        const float* w = w_ptr + ch * kernel;
+        const float xin = x_ptr[r * xrow + ch];
+        float acc = 0.f;
+        for (int64_t k = 0; k < keep; ++k) acc += st[k * kstride] * w[k];
+        acc += xin * w[keep];
+        if (bias_ptr != nullptr) acc += bias_ptr[ch];
+        for (int64_t k = 0; k + 1 < keep; ++k) st[k * kstride] = st[(k + 1) * kstride];
+        st[(keep - 1) * kstride] = xin;
+        out_ptr[r * channels + ch] = acc / (1.f + std::exp(-acc));  // silu
+      }
+    }
+  });
+  return out;
 }
 
 // x * rsqrt(mean(x^2) + eps) [* weight] over the last dim of a [rows, D] or [A, B, D] fp32
@@ -224,6 +324,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("ssm_decode_step", &ssm_decode_step);
+  m.def("write_kv", &write_kv);
+  m.def("mamba_ssm_step", &mamba_ssm_step);
+  m.def("mamba_conv_step", &mamba_conv_step);
   m.def("rms_norm", &rms_norm);
 }

@@ -19,6 +19,7 @@ from actors.messages import (
 )
 from actors.reference import greedy_generate
 from actors.worker import Worker, WorkerConfig
+from models import cpu_kernels
 from tests.models.hf_fixtures import save_hf_model
 
 BLOCK = 4
@@ -292,3 +293,20 @@ def test_narrow_kv_cache_dtype(checkpoint):
     assert len(drv.reqs["a"].outputs) == 3
     assert math.isfinite(drv.step({"a": 1}).logprobs["a"])
     worker.close()
+
+
+def test_without_the_cpu_kernels_the_torch_path_gives_the_same_tokens(checkpoint, monkeypatch):
+    """`--no-cpu-kernels` reaches the worker, which then runs the torch path, greedy-equal."""
+    monkeypatch.setattr(cpu_kernels._Switch, "on", True)  # restored after the test
+    outputs = {}
+    for on in (True, False):
+        worker = make_worker(checkpoint, cpu_kernels=on)
+        assert cpu_kernels.usable(torch.zeros(1)) is on
+        drv = Driver(worker)
+        for req_id, prompt in PROMPTS.items():
+            drv.add(req_id, prompt)
+        drv.step({r: len(p) for r, p in PROMPTS.items()})
+        drv.decode(list(PROMPTS), 9)
+        outputs[on] = [drv.reqs[r].outputs for r in PROMPTS]
+        worker.close()
+    assert outputs[True] == outputs[False]

@@ -61,6 +61,20 @@ def _with_torch(q, k_cache, v_cache, table, padding, positions) -> torch.Tensor:
         return _attend_decode(q, k_cache, v_cache, table, padding, positions, None, DIM**-0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_indexed_assignment(dtype):
+    k_cache, v_cache = _pages(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    blocks, offsets = torch.tensor([3, 3, 17, 0]), torch.tensor([0, 3, 2, 1])
+    kv = torch.randn(4, 2 * KV_HEADS + 1, DIM).to(dtype)  # rows strided, as a split of qkv
+    k, v = kv[:, :KV_HEADS], kv[:, KV_HEADS : 2 * KV_HEADS]
+    cpu_kernels.write_kv(k_cache, v_cache, k, v, blocks, offsets)
+    want_k[blocks, offsets], want_v[blocks, offsets] = k, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv(k_cache, v_cache, k[:1], v[:1], torch.tensor([0]), torch.tensor([BLOCK]))
+
+
 def test_out_of_range_tables_are_refused():
     k_cache, v_cache = _pages(torch.float32)
     q = torch.randn(1, HEADS, DIM)
@@ -79,26 +93,61 @@ def _states(heads: int, pdim: int, nstate: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("heads", "groups"), [(4, 1), (4, 2), (6, 6)])
-def test_ssm_decode_step_matches_the_torch_path(heads, groups):
+def test_mamba_ssm_step_matches_the_torch_path(heads, groups):
     torch.manual_seed(heads * 10 + groups)
-    pdim, nstate, reqs = 8, 16, 5
+    pdim, nstate, reqs, dt_min = 8, 16, 5, 0.01
     kernel_cache = _states(heads, pdim, nstate)
     torch_cache = kernel_cache.clone()
     slots = torch.randperm(BLOCKS)[:reqs]
-    decay, dx = torch.rand(reqs, heads), torch.randn(reqs, heads, pdim)
+    x, dt = torch.randn(reqs, heads, pdim), torch.randn(reqs, heads) * 4
+    dt[0, 0] = 30.0  # softplus's linear branch
+    dt_bias, a, d = torch.randn(heads), -torch.rand(heads) * 3, torch.randn(heads)
     b, c = torch.randn(reqs, groups, nstate), torch.randn(reqs, groups, nstate)
-    got = cpu_kernels.ssm_decode_step(kernel_cache, slots, decay, dx, b, c)
+    got = cpu_kernels.mamba_ssm_step(kernel_cache, slots, x, dt, (dt_bias, a, d, dt_min), b, c)
+    step = torch.nn.functional.softplus(dt + dt_bias).clamp(min=dt_min)
     rep = heads // groups
-    want = ssm_step(torch_cache, slots, decay, dx, b.repeat_interleave(rep, 1), c.repeat_interleave(rep, 1))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernel_cache, torch_cache, rtol=1e-6, atol=1e-6)
+    y = ssm_step(
+        torch_cache,
+        slots,
+        torch.exp(step * a),
+        step[..., None] * x,
+        b.repeat_interleave(rep, 1),
+        c.repeat_interleave(rep, 1),
+    )
+    torch.testing.assert_close(got, y + x * d[:, None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel_cache, torch_cache, rtol=1e-5, atol=1e-6)
 
 
-def test_ssm_slots_outside_the_cache_are_refused():
+@pytest.mark.parametrize("bias", [True, False])
+def test_mamba_conv_step_matches_the_torch_convolution(bias):
+    torch.manual_seed(int(bias))
+    channels, kernel, reqs = 12, 4, 3
+    page = torch.randn(BLOCKS, 7 + channels * (kernel - 1))
+    cache = page[:, 7:].view(BLOCKS, channels, kernel - 1)  # a conv state inside a Mamba page
+    before = cache.clone()
+    slots = torch.tensor([5, 0, BLOCKS - 1])
+    x = torch.randn(reqs, 2 * channels)[:, :channels]  # rows strided, as a split of in_proj
+    weight, b = torch.randn(channels, 1, kernel), (torch.randn(channels) if bias else None)
+    got = cpu_kernels.mamba_conv_step(cache, slots, x, weight, b)
+    window = torch.cat([before[slots], x[..., None]], dim=-1)
+    want = torch.nn.functional.conv1d(window, weight, b, groups=channels)[..., 0]
+    torch.testing.assert_close(got, torch.nn.functional.silu(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache[slots], window[..., 1:])
+    others = torch.ones(BLOCKS, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(cache[others], before[others])
+
+
+def test_mamba_slots_outside_the_cache_are_refused():
     cache = _states(2, 4, 8)
-    args = (torch.rand(1, 2), torch.randn(1, 2, 4), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+    params = (torch.randn(2), torch.randn(2), torch.randn(2), 0.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_kernels.ssm_decode_step(cache, torch.tensor([BLOCKS]), *args)
+        cpu_kernels.mamba_ssm_step(
+            cache, torch.tensor([BLOCKS]), torch.randn(1, 2, 4), torch.randn(1, 2), params, *torch.randn(2, 1, 1, 8)
+        )
+    conv = torch.randn(BLOCKS, 6, 3)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.mamba_conv_step(conv, torch.tensor([-1]), torch.randn(1, 6), torch.randn(6, 1, 4), None)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
