@@ -107,7 +107,7 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = torch.device(cfg.device)
-        cpu_kernels.enable(cfg.cpu_kernels)
+        cpu_kernels.enable(cfg.cpu_kernels and self.device.type == "cpu")
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and self.full_config.dtype.itemsize < 4:

@@ -33,7 +33,11 @@ class _Switch:
 
 
 def enable(on: bool) -> None:
+    """Turn the kernels on or off for this process; on loads (or builds) them now, so that the
+    first step does not pay for it."""
     _Switch.on = on
+    if on:
+        load()
 
 
 def _cpu_flags() -> list[str]:
