@@ -121,18 +121,18 @@ def paged_decode_attention(
     return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, positions, scale)
 
 
-def mamba_conv_step(
+def causal_conv_step(
     conv_cache: torch.Tensor,
     slots: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Mamba2's causal depthwise convolution for one token of each request, then silu, its
+    """The causal depthwise convolution of Mamba2 and Gated DeltaNet for one token of each request, then silu, its
     state [blocks, C, K - 1] (fp32) advanced in place. x: [R, C] fp32. Returns [R, C]."""
     kernels = load()
-    assert kernels is not None, "mamba_conv_step called without usable() kernels"
-    return kernels.mamba_conv_step(conv_cache, slots, x, weight, bias)
+    assert kernels is not None, "causal_conv_step called without usable() kernels"
+    return kernels.causal_conv_step(conv_cache, slots, x, weight, bias)
 
 
 def mamba_ssm_step(

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models import cpu_kernels
 from models.batch import ForwardBatch
 from models.config import GatedDeltaNetSpec
 from models.layers import Linear, ProjectionStacks
@@ -244,9 +245,12 @@ class GatedDeltaNet(ProjectionStacks):
     ) -> None:
         idx = torch.tensor([batch.query_start[r] for r in reqs], device=mixed.device)
         s = slots[torch.tensor(reqs, device=slots.device)]
-        window = torch.cat([conv_cache[s].to(mixed.dtype), mixed[idx][..., None]], dim=-1)  # [R, C, K]
-        conv_cache[s] = window[..., 1:].to(conv_cache.dtype)
-        conv_out = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
+        if mixed.dtype == torch.float32 and cpu_kernels.usable(conv_cache, mixed):
+            conv_out = cpu_kernels.causal_conv_step(conv_cache, s, mixed[idx], self.conv1d.weight, None)
+        else:
+            window = torch.cat([conv_cache[s].to(mixed.dtype), mixed[idx][..., None]], dim=-1)  # [R, C, K]
+            conv_cache[s] = window[..., 1:].to(conv_cache.dtype)
+            conv_out = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
         q, k, v, g, beta = self._heads(conv_out, a[idx], b[idx])
         y, state = recurrent_step(q, k, v, g, beta, state_cache[s])
         state_cache[s] = state

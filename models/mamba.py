@@ -196,7 +196,7 @@ class Mamba2Mixer(nn.Module):
             idx = torch.tensor([batch.query_start[r] for r in reqs], device=xbc.device)
             s = slots[torch.tensor(reqs, device=slots.device)]
         if xbc.dtype == torch.float32 and cpu_kernels.usable(ssm_cache, xbc):
-            out = cpu_kernels.mamba_conv_step(conv_cache, s, xbc[idx], self.conv1d.weight, self.conv1d.bias)
+            out = cpu_kernels.causal_conv_step(conv_cache, s, xbc[idx], self.conv1d.weight, self.conv1d.bias)
             x, b, c = self._ssm_inputs(out)
             params = (self.dt_bias, a, self.D, self.spec.time_step_min)
             y[idx] = cpu_kernels.mamba_ssm_step(ssm_cache, s, x, dt[idx], params, b, c)

@@ -233,10 +233,11 @@ torch::Tensor mamba_ssm_step(torch::Tensor& cache, const torch::Tensor& slots, c
   return y;
 }
 
-// Mamba2's causal depthwise convolution for one token of each request: window = [state, x],
-// out = silu(sum_k window[k] * weight[k] + bias), and the state keeps the window's last K - 1.
-torch::Tensor mamba_conv_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
-                              const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+// The causal depthwise convolution (Mamba2, Gated DeltaNet) for one token of each request:
+// window = [state, x], out = silu(sum_k window[k] * weight[k] + bias), and the state keeps the
+// window's last K - 1.
+torch::Tensor causal_conv_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                               const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(cache.device().is_cpu() && x.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, C, K - 1]");
   const int64_t channels = cache.size(1), keep = cache.size(2), kernel = keep + 1;
@@ -326,6 +327,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("write_kv", &write_kv);
   m.def("mamba_ssm_step", &mamba_ssm_step);
-  m.def("mamba_conv_step", &mamba_conv_step);
+  m.def("causal_conv_step", &causal_conv_step);
   m.def("rms_norm", &rms_norm);
 }

@@ -119,7 +119,7 @@ def test_mamba_ssm_step_matches_the_torch_path(heads, groups):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_mamba_conv_step_matches_the_torch_convolution(bias):
+def test_causal_conv_step_matches_the_torch_convolution(bias):
     torch.manual_seed(int(bias))
     channels, kernel, reqs = 12, 4, 3
     page = torch.randn(BLOCKS, 7 + channels * (kernel - 1))
@@ -128,7 +128,7 @@ def test_mamba_conv_step_matches_the_torch_convolution(bias):
     slots = torch.tensor([5, 0, BLOCKS - 1])
     x = torch.randn(reqs, 2 * channels)[:, :channels]  # rows strided, as a split of in_proj
     weight, b = torch.randn(channels, 1, kernel), (torch.randn(channels) if bias else None)
-    got = cpu_kernels.mamba_conv_step(cache, slots, x, weight, b)
+    got = cpu_kernels.causal_conv_step(cache, slots, x, weight, b)
     window = torch.cat([before[slots], x[..., None]], dim=-1)
     want = torch.nn.functional.conv1d(window, weight, b, groups=channels)[..., 0]
     torch.testing.assert_close(got, torch.nn.functional.silu(want), rtol=1e-5, atol=1e-6)
@@ -147,7 +147,7 @@ def test_mamba_slots_outside_the_cache_are_refused():
         )
     conv = torch.randn(BLOCKS, 6, 3)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_kernels.mamba_conv_step(conv, torch.tensor([-1]), torch.randn(1, 6), torch.randn(6, 1, 4), None)
+        cpu_kernels.causal_conv_step(conv, torch.tensor([-1]), torch.randn(1, 6), torch.randn(6, 1, 4), None)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
