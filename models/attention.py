@@ -6,7 +6,8 @@ so a NaN left in an unused slot of an allocated block still turns the output int
 (0 * NaN = NaN). That is deliberate: it is the property that makes zero-on-allocate
 necessary (docs/design.md §1), and the tests rely on it to see the bug when zeroing is skipped.
 Slots of table padding (blocks the request does not own) are replaced by zeros, so one
-request never poisons another.
+request never poisons another. On a CPU, decode steps read the pages in place through a C++
+kernel that keeps both properties (docs/design.md §13).
 """
 
 from __future__ import annotations
