@@ -1,10 +1,11 @@
 """The C++ decode kernels (models/csrc/cpu_kernels.cpp), built on first use.
 
 On a CPU a decode step's attention gathered every request's K/V pages into one tensor and
-then read the copy again; the Mamba2 state update ran three ops per request. The kernels
-read pages and states where they lie (docs/design.md §13). They are compiled once per
-source and compiler flags into `.venv/torch_extensions` (a few tens of seconds; `make
-setup` does it, so engines start with it built). Where no compiler works the engines run the
+then read the copy again, and the Mamba2 state update ran three ops per request. The kernels
+(paged decode attention, K/V writes, the decode convolution and recurrence, RMS norm) read
+pages and states where they lie, in one call each (docs/design.md §13). They are compiled
+once per source into `.venv/torch_extensions` (about a minute; `make setup` does it, so
+engines start with them built). Where no compiler works the engines run the
 torch path, which is also the path on a GPU, and say so once in the log.
 """
 
