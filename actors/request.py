@@ -42,6 +42,11 @@ class Request:
     resumed: bool = False
     finish_reason: str | None = None
     num_emitted: int = 0  # outputs already sent to the client
+    # Set at admission (`StopChecker.plain_limits`): below `plain_until` outputs, a token other
+    # than `plain_stop_id` ends nothing and goes out as a plain token, so the scheduler's
+    # per-token loop skips the full stop check. 0: every token takes the full path.
+    plain_until: int = 0
+    plain_stop_id: int = -1
     # Disaggregation: a decode request carries where its prompt's KV lives; a prefill
     # request (do_remote_decode) stops after its prompt and hands the KV over.
     kv_transfer_params: KVTransferParams | None = None

@@ -105,6 +105,9 @@ class Scheduler(DisaggScheduling):
         self.check_length(req.num_prompt_tokens, req.sampling.max_tokens)
         if req.kv_transfer_params is not None:
             self._check_transfer(req)
+        limits = self.stop.plain_limits(req)
+        if limits is not None and not req.sampling.logprobs and not req.do_remote_decode:
+            req.plain_until, req.plain_stop_id = limits
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -177,43 +180,51 @@ class Scheduler(DisaggScheduling):
         starts: dict[str, int] = {}  # where each scheduled chunk starts (to undo a failed one)
         preempted = False
 
-        fits, running = self.kv.fits, RequestStatus.RUNNING
+        covered, running, prefix_caching = self.kv.covered, RequestStatus.RUNNING, self.kv.enable_prefix_caching
         for req in list(self.running):
             if budget == 0 or preempted:
                 break
             if req.status is not running:
                 continue  # preempted earlier in this loop
             # The tokens it has (prompt, outputs, placeholders) less those computed, unless the
-            # last token it may produce is already being sampled; spelled out (no properties,
-            # no `min`): this runs for every running request every step.
+            # last token it may produce is already being sampled. This loop runs for every
+            # running request every step, so it is spelled out: no properties, no `min`, and
+            # `_commit` inlined.
             num_expected_outputs = len(req.output_token_ids) + req.num_placeholders
             if num_expected_outputs >= req.sampling.max_tokens:
                 continue
-            n = len(req.prompt_token_ids) + num_expected_outputs - req.num_computed_tokens
+            req_id, computed = req.req_id, req.num_computed_tokens
+            num_tokens = len(req.prompt_token_ids) + num_expected_outputs
+            n = num_tokens - computed
             if n > budget:
                 n = budget
             if n <= 0:
                 continue
-            if fits(req.req_id, req.num_computed_tokens + n):
-                # The common decode step: nothing to allocate, so nothing to tell the workers
-                # but the count (what `allocate_slots` would answer, without building it).
-                self._commit(req, n, step, tokens, starts)
-                budget -= n
-                continue
-            while (new_ids := self.kv.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
-                victim = self._pick_victim(req, tokens)
-                if not self._preempt(victim):
-                    # Its blocks come back when the step in flight reports; admitting queued
-                    # requests meanwhile would take what the running ones are waiting for.
-                    preempted = True
-                    break
-                if victim is req:
-                    break
-            else:
+            if computed + n > covered.get(req_id, -1):
+                # Not the common decode step, which its blocks already hold: it needs blocks.
+                while (new_ids := self.kv.allocate_slots(req_id, computed + n)) is None:
+                    victim = self._pick_victim(req, tokens)
+                    if not self._preempt(victim):
+                        # Its blocks come back when the step in flight reports; admitting queued
+                        # requests meanwhile would take what the running ones are waiting for.
+                        preempted = True
+                        break
+                    if victim is req:
+                        break
+                if new_ids is None:
+                    continue
                 if any(new_ids):  # otherwise the worker continues from its own count: no message
-                    cached.append(CachedRequestData(req.req_id, req.num_computed_tokens, list(new_ids)))
-                self._commit(req, n, step, tokens, starts)
-                budget -= n
+                    cached.append(CachedRequestData(req_id, computed, list(new_ids)))
+            tokens[req_id] = n
+            starts[req_id] = computed
+            computed += n
+            req.num_computed_tokens = computed
+            req.last_step = step
+            if computed == num_tokens:
+                req.num_placeholders += 1  # this step samples its next token
+            if prefix_caching:
+                self._publish(req)
+            budget -= n
 
         while self.loaded and budget > 0 and not preempted:
             req = self.loaded[0]
@@ -293,6 +304,7 @@ class Scheduler(DisaggScheduling):
         if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=fresh_hit) is None:
             return 0
         req.num_computed_tokens = hit
+        req.resumed = False
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         blocks = [list(b) for b in self.kv.get_block_ids(req.req_id)]
@@ -309,16 +321,23 @@ class Scheduler(DisaggScheduling):
         return bool(self.loading or self._held)
 
     def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int], starts: dict[str, int]) -> None:
+        """Schedule `n` tokens of an admitted request (the running loop in `schedule` does the
+        same inline)."""
         tokens[req.req_id] = n
         starts[req.req_id] = req.num_computed_tokens
         req.num_computed_tokens += n
         req.last_step = step
-        req.resumed = False
-        # `num_tokens_with_placeholders` spelled out, as in `schedule`.
-        if req.num_computed_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders:
+        if req.num_computed_tokens == req.num_tokens_with_placeholders:
             req.num_placeholders += 1  # this step samples its next token
         if self.kv.enable_prefix_caching:
-            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
+            self._publish(req)
+
+    def _publish(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache; only a step that
+        completes a block builds the token list to hash."""
+        upto = min(req.num_computed_tokens, req.num_tokens)
+        if self.kv.has_new_full_block(req.req_id, upto):
+            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, upto)
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:
         """The lowest-priority running request not already in this step (possibly `req`)."""
@@ -364,7 +383,8 @@ class Scheduler(DisaggScheduling):
         if result.step_id != out.step_id:
             raise RuntimeError(f"step {out.step_id} got the result of step {result.step_id}")
         # The common case, a token for a request that goes on, adds to four flat lists: this
-        # loop runs for every running request every step.
+        # loop runs for every running request every step, so a plain request (see
+        # `Request.plain_until`) is settled with a compare and two lookups.
         ids: list[str] = []
         tokens: list[int] = []
         prompts: list[int] = []
@@ -376,26 +396,34 @@ class Scheduler(DisaggScheduling):
             if req is None or req.status is finished:
                 continue  # finished while this step ran: the token is surplus
             req.num_placeholders -= 1
-            if req.do_remote_decode:
-                others.append(self._hand_over(req, result.kv_checksums.get(req_id)))
-                continue
             outputs = req.output_token_ids
-            outputs.append(token)
-            logprobs = req.sampling.logprobs
-            if logprobs and req_id in result.logprobs:
-                req.output_logprobs.append(result.logprobs[req_id])
-            reason = check(req)
+            if req.plain_until:
+                outputs.append(token)
+                num_outputs = len(outputs)
+                logprobs = False
+                reason = None
+                if num_outputs >= req.plain_until or token == req.plain_stop_id:
+                    reason = check(req)
+            else:
+                if req.do_remote_decode:
+                    others.append(self._hand_over(req, result.kv_checksums.get(req_id)))
+                    continue
+                outputs.append(token)
+                num_outputs = len(outputs)
+                logprobs = req.sampling.logprobs
+                if logprobs and req_id in result.logprobs:
+                    req.output_logprobs.append(result.logprobs[req_id])
+                reason = check(req)
             if reason is not None:
                 self._finish(req, reason)
-            num_outputs = len(outputs)
-            if reason is None and not logprobs and req.num_emitted == num_outputs - 1:
+            elif not logprobs and req.num_emitted == num_outputs - 1:
                 ids.append(req_id)
                 tokens.append(token)
                 prompts.append(len(req.prompt_token_ids))
                 counts.append(num_outputs)
                 req.num_emitted = num_outputs
-            else:
-                others.append(self._output(req))
+                continue
+            others.append(self._output(req))
         starts = self._step_starts.pop(out.step_id, {})
         for req_id, why in result.failed_reqs.items():
             others.extend(self._worker_failed(out, starts, req_id, why))

@@ -27,6 +27,17 @@ class StopChecker:
             return "length"
         return None
 
+    def plain_limits(self, req: Request) -> tuple[int, int] | None:
+        """For a request without stop strings, what `check` reduces to: (the output count at
+        which it answers "length", the token id it answers "stop" for, -1 for none); None when
+        every token needs the full check."""
+        params = req.sampling
+        if params.stop:
+            return None
+        until = min(params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        stop_id = -1 if params.ignore_eos or req.eos_token_id is None else req.eos_token_id
+        return until, stop_id
+
     def _hit_stop_string(self, req: Request) -> bool:
         if self.tokenizer is None:
             return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kv.block_hash import extend_block_hashes
 from kv.block_pool import BlockPool, IntegrityError, KVBlock
@@ -55,6 +55,9 @@ class KVCacheManager:
         self._blocks_to_zero: dict[int, str] = {}
         # Full-block hashes per request, extended as the request grows.
         self._req_hashes: dict[str, list[bytes]] = {}
+        # Per request, the full blocks already published to the prefix cache: a decode step
+        # that completes no block asks `has_new_full_block` and skips building its tokens.
+        self._num_published: dict[str, int] = {}
         # Prefix-hit token count found by get_computed_blocks, for allocate_slots.
         self._pending_hits: dict[str, int] = {}
         # Per request, the tokens its blocks cover in every group: a decode step within
@@ -107,6 +110,12 @@ class KVCacheManager:
         num_hit = min(len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention)
         self._pending_hits[req_id] = num_hit * self.block_size
         return num_hit * self.block_size
+
+    @property
+    def covered(self) -> Mapping[str, int]:
+        """Per request, the tokens its blocks hold in every group (read only): the scheduler's
+        decode loop looks a request up here instead of calling `fits` for each."""
+        return self._covered
 
     def fits(self, req_id: str, num_tokens_total: int) -> bool:
         """Whether the request's blocks already hold `num_tokens_total` tokens in every group,
@@ -187,12 +196,19 @@ class KVCacheManager:
             hits[manager.group_id] = blocks
         return hits
 
+    def has_new_full_block(self, req_id: str, num_computed_tokens: int) -> bool:
+        """Whether `cache_full_blocks` up to `num_computed_tokens` would publish a block not
+        yet published (prefix caching on)."""
+        return num_computed_tokens // self.block_size > self._num_published.get(req_id, 0)
+
     def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's computed full blocks for later prefix hits. Call it
         once `num_computed_tokens` tokens of `token_ids` have really been computed."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        if num_full > self._num_published.get(req_id, 0):
+            self._num_published[req_id] = num_full
         hashes = self._req_hashes.setdefault(req_id, [])
         if len(hashes) < num_full:
             extend_block_hashes(hashes, token_ids[: num_full * self.block_size], self.block_size)
@@ -208,6 +224,7 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(req_id)
         self._req_hashes.pop(req_id, None)
+        self._num_published.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._covered.pop(req_id, None)
 
@@ -216,6 +233,7 @@ class KVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self._req_hashes.clear()
+        self._num_published.clear()
         self._pending_hits.clear()
         return True
 

@@ -163,6 +163,22 @@ def test_hybrid_model_disables_prefix_caching_and_logs(caplog):
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == 0
 
 
+def test_a_block_is_offered_for_publishing_once_when_it_fills():
+    kv = make(groups=(ATT, ATT2), caching=True)
+    tokens = [1, 2, 3, 4, 5, 6]
+    kv.allocate_slots("a", 6)
+    assert not kv.has_new_full_block("a", 1)
+    assert kv.has_new_full_block("a", 2)
+    kv.cache_full_blocks("a", tokens, 3)
+    assert not kv.has_new_full_block("a", 3)
+    assert kv.has_new_full_block("a", 4)
+    kv.cache_full_blocks("a", tokens, 6)
+    assert not kv.has_new_full_block("a", 6)
+    assert kv.get_computed_blocks("b", tokens + [7]) == 6
+    kv.free("a")
+    assert kv.has_new_full_block("a", 2)  # a new request under the same id starts over
+
+
 @pytest.mark.parametrize(("groups", "needs"), [((ATT,), False), ((ATT, ATT2), False), ((ATT, MAMBA), True)])
 def test_zeroes_new_blocks_only_for_hybrid_models(groups, needs):
     assert make(groups=groups).zeroes_new_blocks is needs
