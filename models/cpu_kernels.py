@@ -11,9 +11,11 @@ torch path, which is also the path on a GPU, and say so once in the log.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -66,17 +68,32 @@ def _build_dir() -> Path:
 
 @cache
 def load() -> ModuleType | None:
-    """The compiled kernels, or None where they cannot be built."""
+    """The compiled kernels, or None where they cannot be built.
+
+    torch guards a build with a lock file that a killed build leaves behind, and every later
+    load then waits on it forever (an interrupted `make setup` would hang every engine's
+    start). So builds here are serialised by an `flock` on a file of our own, which the kernel
+    drops when its holder dies: whoever holds it knows a torch lock file it finds is stale.
+    The source is built from a copy in the build directory, the same path for every checkout
+    of that source: torch's build file names the source's path, and two checkouts sharing an
+    environment would otherwise each find the other's build out of date."""
     from torch.utils.cpp_extension import load as build
 
+    root = _build_dir()
     try:
-        return build(
-            name="raypd_cpu_kernels",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_cpu_flags()],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
-        )
+        with open(root / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (root / "lock").unlink(missing_ok=True)
+            source = root / _SOURCE.name
+            if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
+                shutil.copyfile(_SOURCE, source)
+            return build(
+                name="raypd_cpu_kernels",
+                sources=[str(source)],
+                extra_cflags=["-O3", "-fopenmp", *_cpu_flags()],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(root),
+            )
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("CPU decode kernels unavailable, running the torch path: %s", exc)
         return None

@@ -4,6 +4,10 @@ read out of bounds) for a table or slot that points outside the cache."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +23,23 @@ BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     assert cpu_kernels.load() is not None, "the CPU kernels did not build"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's build lock outlives a build killed mid-way; the next engine must still start."""
+    stale = cpu_kernels._build_dir() / "lock"
+    stale.touch()
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", "from models import cpu_kernels; assert cpu_kernels.load() is not None"],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        stale.unlink(missing_ok=True)
+    assert loaded.returncode == 0, loaded.stderr
 
 
 def _pages(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
