@@ -5,6 +5,12 @@ running); the request's tokens are its prompt, the outputs reported so far, and
 `num_placeholders` tokens being sampled by steps in flight. Each step hands out tokens so
 computed catches up with that total, so prefill, chunked prefill, decode and recompute
 after preemption are one mechanism.
+
+The total itself, `num_tokens_with_placeholders`, is the stored counter and the number of
+placeholders is derived from it: a step that samples a token adds one, and the token's
+arrival turns a placeholder into an output without changing it. The scheduler's per-request
+loops, which run for every running request every step, then read one field of the request
+instead of three lists' lengths and the sampling parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_placeholders: int = 0
+    num_prompt_tokens: int = field(init=False)
+    num_tokens_with_placeholders: int = field(init=False)  # prompt, outputs and placeholders
+    max_num_tokens: int = field(init=False)  # prompt and max_tokens: no placeholder past it
     status: RequestStatus = RequestStatus.WAITING
     # The last step that used this request's blocks (computed into them or zeroed them):
     # they are freed only once it reports.
@@ -55,21 +63,22 @@ class Request:
     num_external_tokens: int = 0  # granted to the load in flight
     error: str | None = None
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens_with_placeholders = self.num_prompt_tokens + len(self.output_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + self.sampling.max_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
-    def num_tokens_with_placeholders(self) -> int:
-        return self.num_tokens + self.num_placeholders
+    def num_placeholders(self) -> int:
+        return self.num_tokens_with_placeholders - self.num_tokens
 
     @property
     def num_expected_outputs(self) -> int:
-        return len(self.output_token_ids) + self.num_placeholders
+        return self.num_tokens_with_placeholders - self.num_prompt_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -85,7 +85,9 @@ class Scheduler(DisaggScheduling):
         # flight, and the abort overtook it): the late add_request is refused.
         self._aborted: dict[str, None] = {}
         self._outputs: list[RequestOutput] = []  # produced while scheduling; see take_outputs
-        # Per step in flight: where each scheduled request's chunk starts (to undo a failed one).
+        # Per step in flight, with a prefix cache: where each scheduled request's chunk starts,
+        # to withdraw what a failed step published. Without one nothing is shared, so nothing
+        # is recorded.
         self._step_starts: dict[int, dict[str, int]] = {}
 
     # -- requests ---------------------------------------------------------------------
@@ -188,13 +190,11 @@ class Scheduler(DisaggScheduling):
                 continue  # preempted earlier in this loop
             # The tokens it has (prompt, outputs, placeholders) less those computed, unless the
             # last token it may produce is already being sampled. This loop runs for every
-            # running request every step, so it is spelled out: no properties, no `min`, and
-            # `_commit` inlined.
-            num_expected_outputs = len(req.output_token_ids) + req.num_placeholders
-            if num_expected_outputs >= req.sampling.max_tokens:
+            # running request every step, so it is spelled out: no `min`, and `_commit` inlined.
+            num_tokens = req.num_tokens_with_placeholders
+            if num_tokens >= req.max_num_tokens:
                 continue
             req_id, computed = req.req_id, req.num_computed_tokens
-            num_tokens = len(req.prompt_token_ids) + num_expected_outputs
             n = num_tokens - computed
             if n > budget:
                 n = budget
@@ -216,13 +216,12 @@ class Scheduler(DisaggScheduling):
                 if any(new_ids):  # otherwise the worker continues from its own count: no message
                     cached.append(CachedRequestData(req_id, computed, list(new_ids)))
             tokens[req_id] = n
-            starts[req_id] = computed
-            computed += n
-            req.num_computed_tokens = computed
+            req.num_computed_tokens = computed + n
             req.last_step = step
-            if computed == num_tokens:
-                req.num_placeholders += 1  # this step samples its next token
+            if computed + n == num_tokens:
+                req.num_tokens_with_placeholders = num_tokens + 1  # this step samples its next token
             if prefix_caching:
+                starts[req_id] = computed
                 self._publish(req)
             budget -= n
 
@@ -324,12 +323,13 @@ class Scheduler(DisaggScheduling):
         """Schedule `n` tokens of an admitted request (the running loop in `schedule` does the
         same inline)."""
         tokens[req.req_id] = n
-        starts[req.req_id] = req.num_computed_tokens
-        req.num_computed_tokens += n
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + n
         req.last_step = step
-        if req.num_computed_tokens == req.num_tokens_with_placeholders:
-            req.num_placeholders += 1  # this step samples its next token
+        if start + n == req.num_tokens_with_placeholders:
+            req.num_tokens_with_placeholders += 1  # this step samples its next token
         if self.kv.enable_prefix_caching:
+            starts[req.req_id] = start
             self._publish(req)
 
     def _publish(self, req: Request) -> None:
@@ -395,8 +395,7 @@ class Scheduler(DisaggScheduling):
             req = requests.get(req_id)
             if req is None or req.status is finished:
                 continue  # finished while this step ran: the token is surplus
-            req.num_placeholders -= 1
-            outputs = req.output_token_ids
+            outputs = req.output_token_ids  # the token takes the place of a placeholder
             if req.plain_until:
                 outputs.append(token)
                 num_outputs = len(outputs)
@@ -406,6 +405,7 @@ class Scheduler(DisaggScheduling):
                     reason = check(req)
             else:
                 if req.do_remote_decode:
+                    req.num_tokens_with_placeholders -= 1  # the prompt is in: no output
                     others.append(self._hand_over(req, result.kv_checksums.get(req_id)))
                     continue
                 outputs.append(token)
@@ -419,7 +419,7 @@ class Scheduler(DisaggScheduling):
             elif not logprobs and req.num_emitted == num_outputs - 1:
                 ids.append(req_id)
                 tokens.append(token)
-                prompts.append(len(req.prompt_token_ids))
+                prompts.append(req.num_prompt_tokens)
                 counts.append(num_outputs)
                 req.num_emitted = num_outputs
                 continue
@@ -437,8 +437,8 @@ class Scheduler(DisaggScheduling):
     def _worker_failed(
         self, out: SchedulerOutput, starts: dict[str, int], req_id: str, why: str
     ) -> list[RequestOutput]:
-        """A request the worker could not run fails alone. The blocks it was to fill in that
-        step were published to the prefix cache when the step was scheduled: withdraw them,
+        """A request the worker could not run fails alone. With a prefix cache, the blocks it
+        was to fill in that step were published when the step was scheduled: withdraw them,
         and fail whoever already took them as a hit."""
         req = self.requests.get(req_id)
         if req is None or req.finished:
@@ -466,7 +466,7 @@ class Scheduler(DisaggScheduling):
         logprobs = req.output_logprobs[emitted:] if req.sampling.logprobs else None
         req.num_emitted = num_outputs
         return request_output(
-            req.req_id, new, logprobs, req.finish_reason, len(req.prompt_token_ids), num_outputs, req.error
+            req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens, num_outputs, req.error
         )
 
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:

@@ -23,7 +23,7 @@ class StopChecker:
         if params.stop and self._hit_stop_string(req):
             return "stop"
         num_outputs = len(outputs)  # `num_tokens` spelled out: this runs for every sampled token
-        if num_outputs >= params.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
+        if num_outputs >= params.max_tokens or req.num_prompt_tokens + num_outputs >= self.max_model_len:
             return "length"
         return None
 
@@ -34,7 +34,7 @@ class StopChecker:
         params = req.sampling
         if params.stop:
             return None
-        until = min(params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        until = min(params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         stop_id = -1 if params.ignore_eos or req.eos_token_id is None else req.eos_token_id
         return until, stop_id
 
