@@ -57,7 +57,9 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[bytes]] = {}
         # Per request, the full blocks already published to the prefix cache: a decode step
         # that completes no block asks `has_new_full_block` and skips building its tokens.
-        self._num_published: dict[str, int] = {}
+        # Every attention group publishes the same blocks (one block size, the same hashes,
+        # the same hits), so the first one's count stands for all.
+        self._published: Mapping[str, int] = self._attention[0].num_cached if self._attention else {}
         # Prefix-hit token count found by get_computed_blocks, for allocate_slots.
         self._pending_hits: dict[str, int] = {}
         # Per request, the tokens its blocks cover in every group: a decode step within
@@ -199,7 +201,7 @@ class KVCacheManager:
     def has_new_full_block(self, req_id: str, num_computed_tokens: int) -> bool:
         """Whether `cache_full_blocks` up to `num_computed_tokens` would publish a block not
         yet published (prefix caching on)."""
-        return num_computed_tokens // self.block_size > self._num_published.get(req_id, 0)
+        return num_computed_tokens // self.block_size > self._published.get(req_id, 0)
 
     def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's computed full blocks for later prefix hits. Call it
@@ -207,8 +209,6 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
-        if num_full > self._num_published.get(req_id, 0):
-            self._num_published[req_id] = num_full
         hashes = self._req_hashes.setdefault(req_id, [])
         if len(hashes) < num_full:
             extend_block_hashes(hashes, token_ids[: num_full * self.block_size], self.block_size)
@@ -224,7 +224,6 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(req_id)
         self._req_hashes.pop(req_id, None)
-        self._num_published.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._covered.pop(req_id, None)
 
@@ -233,7 +232,6 @@ class KVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self._req_hashes.clear()
-        self._num_published.clear()
         self._pending_hits.clear()
         return True
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from kv.block_hash import with_group
@@ -77,6 +77,11 @@ class FullAttentionManager(SingleTypeManager):
         # How many leading blocks of each request are already in the hash map, so
         # caching after every step only looks at blocks that just became full.
         self._num_cached: dict[str, int] = {}
+
+    @property
+    def num_cached(self) -> Mapping[str, int]:
+        """Per request, the leading blocks already in the hash map (read only)."""
+        return self._num_cached
 
     def num_tokens_covered(self, req_id: str) -> int:
         return len(self.req_to_blocks.get(req_id, ())) * self.block_size
