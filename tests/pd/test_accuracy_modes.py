@@ -1,24 +1,22 @@
 """The shipped hybrid models' accuracy through the real deployments: colocated and PD equal
-the in-process reference, and PD collapses only with the fix switched off."""
+the in-process reference, and PD collapses only with the fix switched off. Each run is
+`python -m bench.accuracy` with those flags, called in this process: a process of its own
+would only add its start (the imports) to each of the eight runs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from bench.accuracy import evaluate, parse_args
 
 COMMON = ["--limit", "40", "--worker-threads", "1"]
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 def accuracy(*flags: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.accuracy", *flags], capture_output=True, text=True, timeout=300, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return evaluate(parse_args(list(flags)))
 
 
 @pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-qwen35"])
