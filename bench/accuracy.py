@@ -5,8 +5,9 @@
     python -m bench.accuracy --mode pd --prefill-tp 2 --decode-tp 1   # tensor-parallel engines
 
 `local` runs the model in this process (actors.reference); `colocated` and `pd` run the real
-engines as Ray actors on a local cluster (pd: prefill and decode engines moving KV over
-NIXL, routed as the API server routes), configured by the same flags as `python -m serve`.
+engines as Ray actors (pd: prefill and decode engines moving KV over NIXL, routed as the API
+server routes), configured by the same flags as `python -m serve`: on the Ray session this
+process already has (tests), else on a local cluster started for the run and stopped after it.
 
 Every mode answers the same prompts greedily and is scored by the same code, so the
 accuracy of a deployment (colocated, PD) can be compared with the in-process reference.
@@ -37,7 +38,7 @@ from actors.reference import greedy_generate
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
 from models.loader import load_config, load_generation_config, load_model
 from serve.config import parse_args as parse_serve_args
-from serve.engines import NAMESPACE, start_engines
+from serve.engines import NAMESPACE, start_engines, stop_engines
 
 # (args, prompts, max_new_tokens) -> completions, EOS excluded.
 Backend = Callable[[argparse.Namespace, list[str], int], list[str]]
@@ -74,14 +75,16 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
     elif args.mode == "colocated":
         cfg = dataclasses.replace(cfg, prefill=0, prefill_tp=None, decode_tp=None)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    ray.init(
-        address="local",
-        namespace=NAMESPACE,
-        num_cpus=max(8, os.cpu_count() or 1),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.getLevelNamesMapping()[cfg.log_level],
-    )
+    own_cluster = not ray.is_initialized()
+    if own_cluster:
+        ray.init(
+            address="local",
+            namespace=NAMESPACE,
+            num_cpus=max(8, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+        )
     engines: dict[str, object] = {}
     try:
         names = start_engines(cfg, engines)
@@ -92,9 +95,9 @@ def complete_engines(args: argparse.Namespace, prompts: list[str], max_new_token
         router: Router = PDRouter(of("prefill"), of("decode")) if names["prefill"] else RoundRobinRouter(of("decode"))
         outputs = asyncio.run(_generate_all(router, [tokenizer.encode(p).ids for p in prompts], max_new_tokens))
     finally:
-        for handle in engines.values():
-            ray.get(handle.shutdown.remote())  # type: ignore[attr-defined]
-        ray.shutdown()
+        stop_engines(list(engines))
+        if own_cluster:
+            ray.shutdown()
     _, eos = load_generation_config(cfg.model, load_config(cfg.model))
     return [tokenizer.decode([t for t in out if t != eos]) for out in outputs]
 

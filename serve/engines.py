@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "raypd"
 _NAME_FREE_TIMEOUT_S = 20.0
+ENGINE_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def engine_roles(cfg: Config) -> dict[str, Role]:
@@ -74,8 +75,10 @@ def start_engines(cfg: Config, engines: dict[str, Any]) -> dict[str, list[str]]:
     return names
 
 
-def stop_engines(names: list[str], timeout_s: float) -> None:
-    """Shut down and kill the named engines that exist (replacements included)."""
+def stop_engines(names: list[str], timeout_s: float = ENGINE_SHUTDOWN_TIMEOUT_S) -> None:
+    """Shut down and kill the named engines that exist (replacements included), and return once
+    their names are free: a deployment started next on the same cluster creates them again."""
+    killed = []
     for name in names:
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
@@ -87,8 +90,21 @@ def stop_engines(names: list[str], timeout_s: float) -> None:
             log.debug("engine %s did not shut down cleanly", name, exc_info=True)
         try:
             ray.kill(handle)
+            killed.append(name)
         except Exception:
             log.debug("engine %s could not be killed", name, exc_info=True)
+    deadline = time.monotonic() + _NAME_FREE_TIMEOUT_S
+    for name in killed:
+        while _name_taken(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _name_taken(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 class EngineSupervisor:

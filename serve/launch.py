@@ -26,7 +26,6 @@ from serve.app import build_app
 from serve.engines import NAMESPACE, start_engines, stop_engines
 
 APP_NAME = "raypd"
-ENGINE_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -108,7 +107,7 @@ def stop(dep: Deployment) -> None:
             else:
                 serve.delete(APP_NAME)
     finally:
-        stop_engines(list(dep.engines), ENGINE_SHUTDOWN_TIMEOUT_S)  # by name: replacements too
+        stop_engines(list(dep.engines))  # by name: replacements too
         dep.engines.clear()
         if dep.connected:
             ray.shutdown()
@@ -132,7 +131,7 @@ def stop_detached(cfg: Config) -> list[str]:
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-")
         )
-        stop_engines(names, ENGINE_SHUTDOWN_TIMEOUT_S)
+        stop_engines(names)
         return names
     finally:
         ray.shutdown()

@@ -1,7 +1,7 @@
 """The shipped hybrid models' accuracy through the real deployments: colocated and PD equal
 the in-process reference, and PD collapses only with the fix switched off. Each run is
-`python -m bench.accuracy` with those flags, called in this process: a process of its own
-would only add its start (the imports) to each of the eight runs."""
+`python -m bench.accuracy` with those flags, called in this process on the package's Ray
+cluster: a process, or a cluster, of its own would only add its start to each of the runs."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def local(model) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["colocated", "pd"])
-def test_deployments_equal_local(model, local, mode):
+def test_deployments_equal_local(ray_cluster, model, local, mode):
     got = accuracy("--mode", mode, "--model", model, *COMMON)
     assert (got["n"], got["correct"]) == (local["n"], local["correct"])
     assert local["accuracy"] >= 0.9
 
 
-def test_pd_without_the_fix_collapses(model):
+def test_pd_without_the_fix_collapses(ray_cluster, model):
     flags = ["--debug-zero-loaded-blocks", "--debug-stream-delay-ms", "20"]
     got = accuracy("--mode", "pd", "--model", model, *flags, *COMMON)
     assert got["accuracy"] < 0.2
