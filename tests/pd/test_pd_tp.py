@@ -1,7 +1,8 @@
 """PD with tensor parallelism on both sides, over real Ray, gloo and NIXL/UCX: greedy
 outputs equal one process's (colocated TP=1) for (prefill TP, decode TP) in (1,2), (2,1)
-and (2,2); the fix-off switch still breaks them; failed loads recompute; every block of
-every engine comes back. Ranks of unequal TP read head slices (kv/tp_slices.py)."""
+and (2,2), the hybrid's loads checked by --kv-verify; the fix-off switch still breaks them;
+failed loads recompute; every block of every engine comes back. Ranks of unequal TP read
+head slices (kv/tp_slices.py)."""
 
 from __future__ import annotations
 
@@ -57,13 +58,16 @@ def config(path: str, prefill_tp: int, decode_tp: int, **kw) -> Config:
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", SIZES)
-@pytest.mark.parametrize("model", ["tiny-hybrid", "dense-1kv"])
-def test_pd_tp_equals_colocated(ray_cluster, models, model, prefill_tp, decode_tp):
+@pytest.mark.parametrize("model, kv_verify", [("tiny-hybrid", True), ("dense-1kv", False)])
+def test_pd_tp_equals_colocated(ray_cluster, models, model, kv_verify, prefill_tp, decode_tp):
+    """With `--kv-verify` on the hybrid: nothing is corrupted, so every decode rank's checksums
+    of the whole pages or head slices it read match its prefill ranks' and every load lands."""
     path, reqs, want = models[model]
-    got, stats = run_pd(config(path, prefill_tp, decode_tp), reqs)
+    got, stats = run_pd(config(path, prefill_tp, decode_tp, kv_verify=kv_verify), reqs)
     assert [t for t, _, _ in got] == want
     assert all(err is None for _, _, err in got)
     assert stats.extra["failed_loads"] == 0
+    assert sum(t.corrupt for t in stats.extra["kv_transfer"]) == 0
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
