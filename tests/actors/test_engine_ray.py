@@ -16,13 +16,6 @@ from tests.actors.test_engine import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def config(path, **kw) -> Config:
     base = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=300, worker_threads=1)
     return Config(model=str(path), **(base | kw))

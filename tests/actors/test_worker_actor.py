@@ -35,15 +35,8 @@ def checkpoint(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
-def actor(cluster, checkpoint):
+def actor(ray_cluster, checkpoint):
     handle = RemoteWorker.remote(
         WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=64, stream_delay_s=0.02), num_threads=1
     )
@@ -100,7 +93,7 @@ def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
 
 
 @pytest.mark.skipif(thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
-def test_worker_kv_cache_sits_on_huge_pages(cluster, checkpoint):
+def test_worker_kv_cache_sits_on_huge_pages(ray_cluster, checkpoint):
     """A same-host READ walks the source's pages one by one (kv/host_pages.py): the worker's
     cache asks for transparent huge pages, which this kernel gives only to memory that asks."""
     handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8192), num_threads=1)

@@ -28,9 +28,8 @@ import pytest
 import ray
 
 from actors.config import Config
-from serve import launch
 from serve.engines import NAMESPACE
-from tests.api.conftest import free_port
+from tests.api.conftest import deployed, free_port
 
 pytestmark = pytest.mark.faults
 
@@ -107,7 +106,7 @@ def stream_text(client: httpx.Client, req: dict[str, Any], on_event: Any = None)
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(ray_cluster):
     cfg = Config(
         model=str(MODEL_DIR),
         dtype="float32",
@@ -123,9 +122,8 @@ def server():
         kv_lease_s=5,
         debug_stream_delay_ms=5,  # a step takes at least 5 ms, so a stream can be cut mid-way
     )
-    dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-    yield dep
-    launch.stop(dep)
+    with deployed(cfg) as dep:
+        yield dep
 
 
 @pytest.fixture(scope="module")

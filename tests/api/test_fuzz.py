@@ -22,8 +22,7 @@ import pytest
 from actors.config import Config
 from api.limits import MAX_BODY_BYTES
 from api.protocol import MAX_PROMPTS, MAX_TEXT_CHARS
-from serve import launch
-from tests.api.conftest import free_port
+from tests.api.conftest import deployed, free_port
 from tests.api.test_server import wait_blocks_free
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
@@ -178,7 +177,7 @@ def fuzzed(rng: random.Random, i: int) -> tuple[str, set[str], Any]:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(ray_cluster):
     cfg = Config(
         model=str(MODEL_DIR),
         served_model_name=NAME,
@@ -191,9 +190,8 @@ def server():
         prefill=1,
         decode=1,
     )
-    dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-    yield dep
-    launch.stop(dep)
+    with deployed(cfg) as dep:
+        yield dep
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,15 @@ import pytest
 import ray
 
 from actors.config import Config
-from serve import launch
 from serve.engines import NAMESPACE
-from tests.api.conftest import free_port
+from tests.api.conftest import deployed, free_port
 
 PROMPT = "t3 t14 t15 t92 t65 t35"
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def server(ray_cluster, checkpoint):
     cfg = Config(
         model=checkpoint,
         served_model_name="tiny",
@@ -34,9 +33,8 @@ def server(checkpoint):
         port=free_port(),
         prefill=1,
     )
-    dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-    yield dep
-    launch.stop(dep)
+    with deployed(cfg) as dep:
+        yield dep
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
 from actors.config import Config
 from actors.messages import SamplingParams
-from serve import launch
-from tests.api.conftest import free_port
+from tests.api.conftest import deployed, free_port
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -28,7 +27,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["colocated", "1P1D"])
-def server(checkpoint, request):
+def server(ray_cluster, checkpoint, request):
     cfg = Config(
         model=checkpoint,
         served_model_name=MODEL,
@@ -44,9 +43,8 @@ def server(checkpoint, request):
         port=free_port(),
         prefill=request.param,
     )
-    dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-    yield dep
-    launch.stop(dep)
+    with deployed(cfg) as dep:
+        yield dep
 
 
 @pytest.fixture(scope="module")
