@@ -14,6 +14,7 @@ from actors.engine_actor import RemoteEngine
 from actors.messages import EngineStats
 from tests.actors.test_engine import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
+from tests.ray_session import stop_actors
 
 
 def config(path, **kw) -> Config:
@@ -35,7 +36,7 @@ def serve_remote(cfg: Config, reqs: list[tuple[list[int], int]]) -> tuple[list[l
     try:
         return asyncio.run(main()), ray.get(engine.wait_idle.remote())
     finally:
-        ray.get(engine.shutdown.remote())
+        stop_actors(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -16,6 +16,7 @@ from actors.worker_actor import RemoteWorker, WorkerActor
 from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
 from tests.huge_pages import huge_kib_at, thp_mode
 from tests.models.hf_fixtures import save_hf_model
+from tests.ray_session import stop_actors
 
 
 def assert_same(remote: list[ModelRunnerOutput], local: list[ModelRunnerOutput]) -> None:
@@ -42,7 +43,7 @@ def actor(ray_cluster, checkpoint):
     )
     assert ray.get(handle.ready.remote())
     yield handle
-    ray.get(handle.shutdown.remote())
+    stop_actors(handle)
     ray.kill(handle)
 
 
@@ -108,5 +109,5 @@ def test_worker_kv_cache_sits_on_huge_pages(ray_cluster, checkpoint):
         )
         assert all(huge_kib_at(pid, a) >= 2048 for a in addrs)
     finally:
-        ray.get(handle.shutdown.remote())
+        stop_actors(handle)
         ray.kill(handle)

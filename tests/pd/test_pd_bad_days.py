@@ -21,6 +21,7 @@ from serve.engines import EngineSupervisor, start_engines, stop_engines
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, check_idle, run_pd, start_pd
+from tests.ray_session import stop_actors
 
 NUM_REQUESTS = 4
 
@@ -150,7 +151,7 @@ def test_a_decode_side_that_never_reads_frees_at_lease_end_and_a_late_reader_rec
         assert stats.extra["expired_leases"] == NUM_REQUESTS and stats.extra["failed_loads"] == NUM_REQUESTS
         check_idle(prefill, decode)
     finally:
-        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+        stop_actors(prefill, decode)
 
 
 def test_a_killed_decode_side_stops_renewing_and_the_prefill_side_frees(ray_cluster, hybrid, reference):
@@ -168,7 +169,7 @@ def test_a_killed_decode_side_stops_renewing_and_the_prefill_side_frees(ray_clus
         ray.kill(decode)
         check_idle(prefill)
     finally:
-        ray.get(prefill.shutdown.remote())
+        stop_actors(prefill)
 
 
 def test_engines_of_different_block_sizes_are_refused_before_any_request(ray_cluster, hybrid):
@@ -180,7 +181,7 @@ def test_engines_of_different_block_sizes_are_refused_before_any_request(ray_clu
             ray.get(decode.add_nixl_peers.remote(peers))
         assert ray.get(decode.nixl_peer_names.remote()) == []
     finally:
-        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+        stop_actors(prefill, decode)
 
 
 async def prefill_then_close(engine, reqs) -> list[dict]:

@@ -16,6 +16,7 @@ from actors.engine_actor import RemoteEngine
 from actors.messages import SamplingParams
 from tests.actors.test_engine import alone, workload
 from tests.models.hf_fixtures import save_hf_model
+from tests.ray_session import stop_actors
 
 # `make gpu-check` sets cuda: the caches then live in VRAM and NIXL moves VRAM.
 DEVICE = os.environ.get("RAYPD_TEST_DEVICE", "cpu")
@@ -68,7 +69,7 @@ def run_pd(cfg: Config, reqs):
         check_idle(prefill, decode)
         stats = ray.get(decode.stats.remote())
     finally:
-        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+        stop_actors(prefill, decode)
     return got, stats
 
 

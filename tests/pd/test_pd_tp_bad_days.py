@@ -19,6 +19,7 @@ from tests.actors.test_engine import alone, workload
 from tests.pd.test_pd_bad_days import restart_prefill_and_read
 from tests.pd.test_pd_engines import DEVICE, run_pd
 from tests.pd.test_pd_tp import config
+from tests.ray_session import stop_actors
 
 NUM_REQUESTS = 4
 
@@ -74,7 +75,7 @@ def test_a_compat_mismatch_is_refused_on_every_rank(ray_cluster):
         ray.get(unequal.add_nixl_peers.remote(peers))
         assert ray.get(unequal.nixl_peer_names.remote()) == sorted(p.agent_name for p in peers)
     finally:
-        ray.get([e.shutdown.remote() for e in (prefill, decode, unequal)])
+        stop_actors(prefill, decode, unequal)
 
 
 def test_a_restarted_prefill_engine_is_read_through_its_new_ranks_only(ray_cluster, reference):

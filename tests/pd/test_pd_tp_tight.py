@@ -28,6 +28,7 @@ from actors.messages import EngineStats, SamplingParams
 from tests.actors.test_engine import alone, workload
 from tests.pd.test_pd_engines import DEVICE
 from tests.pd.test_pd_tp import config
+from tests.ray_session import stop_actors
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def test_tight_pools_aborts_and_failed_loads_under_tp(ray_cluster, reference, pr
         got = serve(prefill, decode, reqs, plan)
         pre_stats, dec_stats = idle_stats(prefill), idle_stats(decode)
     finally:
-        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+        stop_actors(prefill, decode)
 
     finished = [(g, w) for g, w in zip(got, want) if g.reason != "abort"]
     aborted = [(g, w) for g, w in zip(got, want) if g.reason == "abort"]
