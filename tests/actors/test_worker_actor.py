@@ -44,7 +44,6 @@ def actor(ray_cluster, checkpoint):
     assert ray.get(handle.ready.remote())
     yield handle
     stop_actors(handle)
-    ray.kill(handle)
 
 
 def test_actor_steps_equal_in_process_worker(actor, checkpoint):
@@ -110,4 +109,3 @@ def test_worker_kv_cache_sits_on_huge_pages(ray_cluster, checkpoint):
         assert all(huge_kib_at(pid, a) >= 2048 for a in addrs)
     finally:
         stop_actors(handle)
-        ray.kill(handle)
