@@ -1,9 +1,9 @@
-"""Assembling an engine from the config: the scheduler sized from the workers' cache
-layout, and the workers themselves, in-process or as Ray actors."""
+"""Assembling an engine from the config: the scheduler sized from the workers' cache layout,
+and each worker's config. Torch-free, as the engine process is (docs/design.md §14); an engine
+with its worker in this process is actors/local_engine.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Literal
@@ -14,13 +14,13 @@ from actors.config import Config, ConfigError
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
-from actors.worker import Worker, WorkerConfig
+from actors.worker_config import WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.kv_cache_manager import KVCacheManager
 from models.config import ConfigError as ModelConfigError
 from models.config import ModelConfig
-from models.loader import load_config, load_generation_config
-from models.tensor_parallel import shard_config
+from models.model_files import load_config, load_generation_config
+from models.tp_shards import shard_config
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,3 @@ def make_engine(
     return EngineCore(
         make_scheduler(cfg, model_cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting
     )
-
-
-def build_local_engine(cfg: Config) -> tuple[EngineCore, Worker]:
-    """Scheduler and one worker in this process: the same classes as the Ray deployment."""
-    worker = Worker(worker_config(cfg))
-
-    def run(out):  # type: ignore[no-untyped-def]
-        return asyncio.wrap_future(worker.execute_model(out))
-
-    return make_engine(cfg, worker.layout, [run]), worker

@@ -20,7 +20,7 @@ from actors.messages import EngineStats, OutputBatch, SamplingParams
 from actors.startup import freeze_startup_objects
 from actors.worker_actor import RemoteWorker
 from kv.lease import LeaseRenewer
-from kv.nixl_worker import PeerInfo
+from kv.nixl_peers import PeerInfo
 
 # Heartbeats per lease: a renewal may be lost or late three times before the lease runs out.
 _BEATS_PER_LEASE = 4

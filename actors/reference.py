@@ -15,10 +15,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from kv.cache_layout import allocate_caches, plan_layout
+from kv.cache_buffers import allocate_caches
+from kv.cache_layout import plan_layout
 from kv.kv_cache_manager import KVCacheManager
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
+from models.dtypes import dtype_name
 
 
 @torch.inference_mode()
@@ -37,10 +39,10 @@ def greedy_generate(
     cfg = cast(ModelConfig, model.config)
     weight = next(model.parameters())
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=1)
+    layout = plan_layout(cfg, dtype_name(weight.dtype), block_size, num_blocks=1)
     blocks = KVCacheManager(layout.groups, 1, block_size, enable_prefix_caching=False)
     need = sum(m.num_required_blocks(max_len) for m in blocks.managers) * len(prompts)
-    layout = plan_layout(cfg, weight.dtype, block_size, num_blocks=need)
+    layout = plan_layout(cfg, dtype_name(weight.dtype), block_size, num_blocks=need)
     buffers, caches = allocate_caches(layout, cfg, weight.device)
     blocks = KVCacheManager(layout.groups, need, block_size, enable_prefix_caching=False)
     block_ids: list[list[list[int]]] = []

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,9 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.sampler import Sampler
-from kv.cache_layout import CacheLayout, allocate_caches, auto_block_size, plan_layout
+from actors.worker_config import WorkerConfig
+from kv.cache_buffers import allocate_caches
+from kv.cache_layout import CacheLayout, auto_block_size, plan_layout
 from kv.compat import kv_compat
 from kv.nixl_worker import NixlWorkerConnector
 from kv.tp_slices import PageSlicer, read_pieces
@@ -40,21 +41,21 @@ from kv.verify import HandOverChecksums, algorithm
 from models import cpu_kernels
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
-from models.loader import load_config, load_model
+from models.dtypes import DTYPE_BYTES, dtype_name
+from models.loader import load_model
+from models.model_files import load_config
 from models.tensor_parallel import init_tp_group
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def parse_dtype(name: str) -> torch.dtype | None:
+def parse_dtype(name: str) -> str | None:
     """None for 'auto' (the checkpoint's dtype for weights, the weights' dtype for the cache)."""
     if name == "auto":
         return None
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; use 'auto' or one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {name!r}; use 'auto' or one of {sorted(DTYPE_BYTES)}")
+    return name
 
 
 @dataclass(slots=True)
@@ -64,38 +65,6 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None
     num_computed: int  # tokens whose KV / state is in the cache
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """Everything a worker is built from; it crosses Ray as plain data."""
-
-    model_dir: str
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    device: str = "cpu"
-    cpu_kernels: bool = True  # the C++ decode kernels on a CPU (models/cpu_kernels.py)
-    block_size: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    seed: int = 0
-    stream_delay_s: float = 0.0  # tests: make the compute stream lag
-    kv_role: Literal["colocated", "prefill", "decode"] = "colocated"
-    engine_id: str = ""
-    # The worker's NIXL agent (prefill and decode roles): chosen by the engine, which names it
-    # in the KVTransferParams it hands out.
-    nixl_agent_name: str = ""
-    kv_fail_fraction: float = 0.0  # tests: fail this share of KV loads
-    kv_transfer_timeout_s: float = 30.0
-    kv_delay_s: float = 0.0  # tests: hold each KV READ back this long
-    kv_verify: bool = False  # prefill: checksum handed-over blocks (kv/verify.py)
-    kv_corrupt_fraction: float = 0.0  # tests: corrupt this share of landed loads
-    kv_verify_tp: int = 1  # prefill under --kv-verify: the decode engines' TP size (what each rank READs)
-    # Tensor parallelism: this worker's rank among its engine's workers, and where they meet
-    # (a `tcp://host:port` torch.distributed init method; unused when tp_size is 1).
-    tp_rank: int = 0
-    tp_size: int = 1
-    tp_init_method: str = ""
 
 
 def rank_agent_name(agent_name: str, rank: int) -> str:
@@ -110,13 +79,15 @@ class Worker:
         cpu_kernels.enable(cfg.cpu_kernels and self.device.type == "cpu")
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
-        if weights is None and self.device.type == "cpu" and self.full_config.dtype.itemsize < 4:
-            weights = torch.float32  # half-precision matmuls run several times slower than fp32 on CPUs
+        if weights is None and self.device.type == "cpu" and DTYPE_BYTES[self.full_config.dtype] < 4:
+            weights = "float32"  # half-precision matmuls run several times slower than fp32 on CPUs
         self.tp = init_tp_group(cfg.tp_rank, cfg.tp_size, cfg.tp_init_method, self.device)
-        loaded = load_model(cfg.model_dir, dtype=weights, device=self.device, tp=self.tp)
+        loaded = load_model(
+            cfg.model_dir, dtype=getattr(torch, weights) if weights else None, device=self.device, tp=self.tp
+        )
         self.model = loaded.model
         self.config: ModelConfig = loaded.config  # this rank's share under tensor parallelism
-        cache_dtype = parse_dtype(cfg.kv_cache_dtype) or next(self.model.parameters()).dtype
+        cache_dtype = parse_dtype(cfg.kv_cache_dtype) or dtype_name(next(self.model.parameters()).dtype)
         block_size = cfg.block_size or auto_block_size(self.full_config, cache_dtype)
         self._layout = plan_layout(self.config, cache_dtype, block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
@@ -241,7 +212,7 @@ class Worker:
         checksums = {} if sums is None else {r: [sums.table(self.requests[r].block_ids)] for r in sampled}
         return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed, failed_reqs=failed, kv_checksums=checksums)
 
-    def _checksummer(self, cfg: WorkerConfig, cache_dtype: torch.dtype) -> HandOverChecksums:
+    def _checksummer(self, cfg: WorkerConfig, cache_dtype: str) -> HandOverChecksums:
         """--kv-verify on a prefill rank: per decode rank (of `kv_verify_tp`), the spans of
         this rank's pages that decode rank READs."""
         kinds = tuple(g.kind for g in self._layout.groups)

@@ -12,16 +12,19 @@ every step to every worker.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.startup import freeze_startup_objects
-from actors.worker import Worker, WorkerConfig
+from actors.worker_config import WorkerConfig
 from kv.cache_layout import CacheLayout
-from kv.nixl_worker import PeerInfo
+from kv.nixl_peers import PeerInfo
 from kv.transfer_stats import TransferStats
+
+if TYPE_CHECKING:
+    from actors.worker import Worker
 
 # Room for two steps (one running, one queued behind it) plus control calls and a step that
 # arrived early and waits for its predecessor.
@@ -33,9 +36,15 @@ class WorkerActor:
         """`num_threads` caps torch's threads in this process, so two workers on one machine do
         not fight over the same cores. Steps are numbered from 0; one that waits longer than
         `step_wait_s` for its predecessor fails."""
+        # Imported here, in the worker's own process: the engine that creates this actor
+        # imports this module for the class alone and must not load torch (docs/design.md §14).
+        import torch
+
+        from actors.worker import Worker
+
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self._worker = Worker(cfg)
+        self._worker: Worker = Worker(cfg)
         freeze_startup_objects()
         self._next_step = 0
         self._step_wait_s = step_wait_s

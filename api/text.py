@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from actors.messages import InvalidRequestError
 from actors.stop import truncate_at_stop
-from models.loader import load_config, load_generation_config
+from models.model_files import load_config, load_generation_config
 
 # Prompt tokens decoded ahead of the output, so a decoder that joins tokens with spaces
 # (word-level) or merges bytes (byte-level) renders the first output token as it would in

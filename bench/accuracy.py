@@ -36,7 +36,8 @@ from actors.config import Config
 from actors.messages import SamplingParams
 from actors.reference import greedy_generate
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
-from models.loader import load_config, load_generation_config, load_model
+from models.loader import load_model
+from models.model_files import load_config, load_generation_config
 from serve.config import parse_args as parse_serve_args
 from serve.engines import NAMESPACE, start_engines, stop_engines
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bench.cma import read_spans
-from kv.cache_layout import page_buffer
+from kv.cache_buffers import page_buffer
 from kv.nixl_worker import NixlWorkerConnector, PeerInfo
 from kv.transfer_params import KVTransferParams
 

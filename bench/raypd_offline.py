@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from actors.build import build_local_engine
 from actors.config import Config
 from actors.engine import EngineCore
+from actors.local_engine import build_local_engine
 from actors.messages import SamplingParams
 from actors.startup import freeze_startup_objects
 

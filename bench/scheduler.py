@@ -31,9 +31,10 @@ from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.startup import freeze_startup_objects
 from actors.stop import StopChecker
-from actors.worker import Worker, WorkerConfig
+from actors.worker import Worker
+from actors.worker_config import WorkerConfig
+from kv.cache_group import CacheGroup, cdiv
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup, cdiv
 
 GROUPS = (CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3)))
 

@@ -5,6 +5,9 @@ buffer is one byte tensor of `num_blocks x page_bytes` shared by the i-th layer 
 group. A block id names the same page row in every buffer, so one pool serves all groups
 and a page freed by a Mamba group can come back to an attention group. That reuse is why
 stale fp32 state can be read as bf16 K/V, and why new attention blocks are zeroed.
+
+Only the plan lives here, free of torch, because the engine sizes its block pool from it;
+kv/cache_buffers.py allocates the memory in the worker.
 """
 
 from __future__ import annotations
@@ -13,11 +16,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-import torch
-
-from kv.host_pages import huge_page_zeros
-from models.batch import CacheGroup, LayerCache
+from kv.cache_group import CacheGroup
 from models.config import ModelConfig
+from models.dtypes import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +34,15 @@ class CacheLayout:
     mamba_page_bytes: int
     groups: tuple[CacheGroup, ...]
     buffers: tuple[tuple[int, ...], ...]  # layer ids sharing each byte buffer
-    attn_dtype: torch.dtype
+    attn_dtype: str  # a name in models.dtypes.DTYPE_BYTES
 
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.page_bytes * len(self.buffers)
 
 
-def _attn_page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+def _attn_page_bytes(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
 
 def _mamba_page_bytes(cfg: ModelConfig) -> int:
@@ -68,7 +69,7 @@ def plan_groups(cfg: ModelConfig) -> tuple[tuple[CacheGroup, ...], tuple[tuple[i
     return groups, buffers
 
 
-def auto_block_size(cfg: ModelConfig, attn_dtype: torch.dtype) -> int:
+def auto_block_size(cfg: ModelConfig, attn_dtype: str) -> int:
     """The smallest multiple of 16 whose attention page holds a Mamba state, so neither kind
     wastes much. Tensor-parallel engines pass the full model's config: engines of every TP
     size must agree on the block size for PD to hand blocks over."""
@@ -79,7 +80,7 @@ def auto_block_size(cfg: ModelConfig, attn_dtype: torch.dtype) -> int:
 
 def plan_layout(
     cfg: ModelConfig,
-    attn_dtype: torch.dtype,
+    attn_dtype: str,
     block_size: int | None,
     num_blocks: int | None = None,
     memory_bytes: int | None = None,
@@ -115,48 +116,3 @@ def plan_layout(
         layout.total_bytes / 2**20,
     )
     return layout
-
-
-def page_buffer(num_blocks: int, page_bytes: int, device: torch.device | str) -> torch.Tensor:
-    """One zeroed cache buffer, [num_blocks, page_bytes] bytes; on the host it sits on huge
-    pages, which a same-host NIXL READ copies from fastest (kv/host_pages.py)."""
-    if torch.device(device).type == "cpu":
-        return huge_page_zeros(num_blocks, page_bytes)
-    return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)
-
-
-def allocate_caches(
-    layout: CacheLayout, cfg: ModelConfig, device: torch.device | str
-) -> tuple[list[torch.Tensor], dict[int, LayerCache]]:
-    """Allocate the byte buffers and build each layer's typed views over them.
-
-    Memory starts zeroed, so a dense model's pages only ever hold K/V of one dtype; in a
-    hybrid model a page keeps whatever its last owner left, which is what zero-on-allocate
-    is for."""
-    buffers = [page_buffer(layout.num_blocks, layout.page_bytes, device) for _ in layout.buffers]
-    kinds = {layer: g.kind for g in layout.groups for layer in g.layer_ids}
-    views: dict[int, LayerCache] = {}
-    for buf, layers in zip(buffers, layout.buffers):
-        for layer in layers:
-            views[layer] = _attn_view(buf, layout, cfg) if kinds[layer] == "attention" else _mamba_view(buf, cfg)
-    return buffers, views
-
-
-def _attn_view(buf: torch.Tensor, layout: CacheLayout, cfg: ModelConfig) -> LayerCache:
-    """K and V as `[num_blocks, block_size, kv_heads, head_dim]` over head-major pages
-    (`[2, kv_heads, block_size, head_dim]`): one head's tokens are one run of bytes, so a
-    tensor-parallel reader takes a head slice as one descriptor (kv/tp_slices.py)."""
-    kv = buf[:, : layout.attn_page_bytes].view(layout.attn_dtype)
-    kv = kv.view(layout.num_blocks, 2, cfg.num_key_value_heads, layout.block_size, cfg.head_dim)
-    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
-
-
-def _mamba_view(buf: torch.Tensor, cfg: ModelConfig) -> LayerCache:
-    spec = cfg.state_spec
-    assert spec is not None
-    conv_bytes = 4 * math.prod(spec.conv_state_shape)
-    ssm_bytes = 4 * math.prod(spec.ssm_state_shape)
-    n = buf.shape[0]
-    conv = buf[:, :conv_bytes].view(torch.float32).view(n, *spec.conv_state_shape)
-    ssm = buf[:, conv_bytes : conv_bytes + ssm_bytes].view(torch.float32).view(n, *spec.ssm_state_shape)
-    return conv, ssm

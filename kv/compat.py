@@ -66,7 +66,7 @@ def kv_compat(model_dir: str, layout: CacheLayout, kv_checksum: str = "", tp_siz
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     return KVCompat(
         model_digest=digest,
-        cache_dtype=str(layout.attn_dtype).removeprefix("torch."),
+        cache_dtype=layout.attn_dtype,
         block_size=layout.block_size,
         page_bytes=layout.page_bytes,
         attn_page_bytes=layout.attn_page_bytes,

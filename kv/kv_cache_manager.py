@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 from kv.block_hash import extend_block_hashes
 from kv.block_pool import BlockPool, IntegrityError, KVBlock
+from kv.cache_group import CacheGroup
 from kv.single_type_manager import FullAttentionManager, MambaManager, SingleTypeManager
-from models.batch import CacheGroup
 
 logger = logging.getLogger(__name__)
 

@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from kv.cache_buffers import buffer_pages
 from kv.compat import KVCompat
 from kv.load_faults import LoadFaults
 from kv.load_verify import LoadVerifier
@@ -71,7 +72,7 @@ from kv.nixl_load import Load, pair_blocks
 from kv.nixl_peers import Peer, PeerInfo, PeerTable
 from kv.nixl_shim import NIXL_ERRORS, nixl_agent, nixl_agent_config
 from kv.notif_counts import NotifCounts
-from kv.read_descs import Pages, page_indices, reads_any, slice_descs
+from kv.read_descs import page_indices, reads_any, slice_descs
 from kv.tp_slices import PageSlicer, Piece
 from kv.transfer_params import KVTransferParams
 from kv.transfer_stats import TransferStats
@@ -111,7 +112,7 @@ class NixlWorkerConnector:
     ) -> None:
         """`slicer` describes this worker's tensor-parallel rank and its pages (kv/tp_slices.py);
         without one the worker is a single rank and reads single-rank peers only."""
-        pages = Pages.of(buffers, page_bytes, num_blocks)
+        pages = buffer_pages(buffers, page_bytes, num_blocks)
         if poll_interval_s is not None and poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive or None, got {poll_interval_s}")
         if not 0.0 <= fail_fraction <= 1.0:

@@ -1,7 +1,7 @@
 """The NIXL descriptors of what a READ moves: whole pages from a remote rank of the same TP
 size, head slices from one of another (kv/nixl_worker.py).
 
-Memory. A KV cache is a list of byte buffers `[num_blocks, page_bytes]` (kv/cache_layout.py);
+Memory. A KV cache is a list of byte buffers `[num_blocks, page_bytes]` (kv/cache_buffers.py);
 block b is row b of every buffer, so a block is one page per buffer. Buffers are registered
 once, and one descriptor per (buffer, block) page is prepared once, locally and per peer
 (`Pages.descs`): index = buffer * num_blocks + block. A load is then two index lists
@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kv.tp_slices import Piece
 
@@ -31,26 +30,6 @@ class Pages:
     page_bytes: int
     num_blocks: int
     device_id: int
-
-    @classmethod
-    def of(cls, buffers: Sequence[torch.Tensor], page_bytes: int, num_blocks: int) -> Pages:
-        """The pages of `buffers`, which must be contiguous uint8 `[num_blocks, page_bytes]`
-        tensors on one CPU or CUDA device."""
-        if not buffers:
-            raise ValueError("the connector needs at least one buffer")
-        device = buffers[0].device
-        for i, buf in enumerate(buffers):
-            if buf.dtype != torch.uint8 or buf.shape != (num_blocks, page_bytes) or not buf.is_contiguous():
-                raise ValueError(
-                    f"buffer {i} must be a contiguous uint8 [{num_blocks}, {page_bytes}] tensor, "
-                    f"got {buf.dtype} {tuple(buf.shape)}"
-                )
-            if buf.device != device:
-                raise ValueError(f"buffer {i} is on {buf.device}, buffer 0 on {device}")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"NIXL registers CPU or CUDA memory, not {device.type}")
-        # A CPU tensor has no device index; DRAM is device 0.
-        return cls(tuple(buf.data_ptr() for buf in buffers), page_bytes, num_blocks, device.index or 0)
 
     def descs(self) -> np.ndarray:
         """Rows (address, length, device) of every page, buffer by buffer."""

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from kv.block_hash import with_group
 from kv.block_pool import BlockPool, KVBlock
-from models.batch import cdiv
+from kv.cache_group import cdiv
 
 
 class SingleTypeManager(ABC):

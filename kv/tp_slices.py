@@ -20,10 +20,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from models.config import ModelConfig
-from models.tensor_parallel import split_heads
+from models.dtypes import DTYPE_BYTES
+from models.tp_shards import split_heads
 
 Ranges = Callable[[int, int], range]  # (rank, size) -> the global units that rank holds
 
@@ -55,10 +54,10 @@ def _scaled(ranges: Ranges, width: int) -> Ranges:
     return scaled
 
 
-def _parts(cfg: ModelConfig, kind: str, block_size: int, attn_dtype: torch.dtype) -> tuple[_Part, ...]:
+def _parts(cfg: ModelConfig, kind: str, block_size: int, attn_dtype: str) -> tuple[_Part, ...]:
     if kind == "attention":
         heads = _Part(
-            block_size * cfg.head_dim * attn_dtype.itemsize,
+            block_size * cfg.head_dim * DTYPE_BYTES[attn_dtype],
             lambda rank, size: split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size, "").kv,
         )
         return heads, heads
@@ -86,7 +85,7 @@ class PageSlicer:
     """Rank `rank` of `size`'s view of the pages of a model (`cfg` is the full model's)."""
 
     def __init__(
-        self, cfg: ModelConfig, block_size: int, attn_dtype: torch.dtype, rank: int, size: int, kinds: tuple[str, ...]
+        self, cfg: ModelConfig, block_size: int, attn_dtype: str, rank: int, size: int, kinds: tuple[str, ...]
     ) -> None:
         self.cfg, self.block_size, self.attn_dtype = cfg, block_size, attn_dtype
         self.rank, self.size, self.kinds = rank, size, kinds

@@ -12,34 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
-from typing import Literal
 
 import torch
 
+from kv.cache_group import CacheGroup, cdiv
 from models import cpu_kernels
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]
 """Attention: (K, V), each [num_blocks, block_size, kv_heads, head_dim] in the cache dtype.
 Mamba: (conv state [num_blocks, conv_dim, kernel - 1], SSM state [num_blocks, heads, head_dim,
 state]), fp32. Both are views over page memory owned by `kv/`."""
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: the blocks of size `b` that `a` tokens take."""
-    return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroup:
-    """Layers that share one block table: the i-th block of a request means the same page
-    index for every layer of the group."""
-
-    kind: Literal["attention", "mamba"]
-    layer_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("attention", "mamba"):
-            raise ValueError(f"unknown cache group kind {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)

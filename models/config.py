@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
+from models.dtypes import DTYPE_BYTES
 
 LayerKind = Literal["attention", "mamba", "mlp"]
 
@@ -24,7 +24,6 @@ _BLOCK_TYPES = {
     "mamba": "mamba",
     "attention": "attention",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ConfigError(ValueError):
@@ -122,7 +121,7 @@ class ModelConfig:
     eos_token_id: int | None
     bos_token_id: int | None
     pad_token_id: int | None
-    dtype: torch.dtype
+    dtype: str  # a name in models.dtypes.DTYPE_BYTES
     gated_delta_net: GatedDeltaNetSpec | None = None
     partial_rotary_factor: float = 1.0
 
@@ -159,11 +158,11 @@ def _first_id(v: Any) -> int | None:
     return v[0] if isinstance(v, list) and v else v if isinstance(v, int) else None
 
 
-def _dtype(d: dict[str, Any]) -> torch.dtype:
+def _dtype(d: dict[str, Any]) -> str:
     name = d.get("dtype") or d.get("torch_dtype") or "float32"
-    if name not in _DTYPES:
-        raise ConfigError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"unsupported dtype {name!r}; supported: {sorted(DTYPE_BYTES)}")
+    return str(name)
 
 
 def _common(d: dict[str, Any]) -> dict[str, Any]:

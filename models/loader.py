@@ -2,7 +2,8 @@
 
 Reads `config.json`, `model.safetensors` (or a sharded index), `tokenizer.json` through the
 `tokenizers` library, and `generation_config.json` and a chat template when present.
-Every way a directory can be unusable is a `ModelLoadError` naming the file or tensor.
+Every way a directory can be unusable is a `ModelLoadError` naming the file or tensor. The
+JSON files alone are read by models/model_files.py, which the processes without torch use.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from torch import nn
 
 from models.config import ConfigError, ModelConfig
 from models.layers import pack_linears, stack_projections
+from models.model_files import ModelLoadError, load_config, load_generation_config, read_json
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
-from models.tensor_parallel import SINGLE, TPGroup, shard_config, shard_weights
+from models.tensor_parallel import SINGLE, TPGroup, shard_weights
+from models.tp_shards import shard_config
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "nemotron_h": NemotronHForCausalLM,
@@ -32,10 +35,6 @@ _CLASSES: dict[str, type[nn.Module]] = {
 }
 # Older NemotronH checkpoints name the backbone `backbone.`; transformers 5 names it `model.`.
 _ALIASES = (("backbone.", "model."),)
-
-
-class ModelLoadError(ValueError):
-    """The model directory cannot be served; the message names the file, field or tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,30 +47,13 @@ class LoadedModel:
     chat_template: str | None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"missing file {path}") from None
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-
-
-def load_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
-    try:
-        return ModelConfig.from_hf_dict(_read_json(path))
-    except ConfigError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.exists():
         return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
         missing = [s for s in shards if not (model_dir / s).exists()]
         if missing:
             raise ModelLoadError(f"missing weight shard(s) {missing} listed in {index}")
@@ -119,7 +101,7 @@ def _chat_template(model_dir: Path) -> str | None:
     if jinja.exists():
         return jinja.read_text()
     cfg = model_dir / "tokenizer_config.json"
-    return _read_json(cfg).get("chat_template") if cfg.exists() else None
+    return read_json(cfg).get("chat_template") if cfg.exists() else None
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE) -> nn.Module:
@@ -151,22 +133,11 @@ def load_model(
     model = build_model(local, tp)
     weights, original = _read_weights(path)
     _assign(model, shard_weights(cfg, weights, tp.rank, tp.size), original, cfg.tie_word_embeddings)
-    model = model.to(dtype=dtype or cfg.dtype, device=device).eval()
+    model = model.to(dtype=dtype or getattr(torch, cfg.dtype), device=device).eval()
     stack_projections(model)
     pack_linears(model)
     generation, eos = load_generation_config(path, cfg)
     return LoadedModel(model, local, tokenizer, eos, generation, _chat_template(path))
-
-
-def load_generation_config(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, Any] | None, int | None]:
-    """`generation_config.json` if present, and the EOS id (it overrides config.json's)."""
-    gen_path = Path(model_dir) / "generation_config.json"
-    generation = _read_json(gen_path) if gen_path.exists() else None
-    eos = cfg.eos_token_id
-    if generation and generation.get("eos_token_id") is not None:
-        e = generation["eos_token_id"]
-        eos = e[0] if isinstance(e, list) else e
-    return generation, eos
 
 
 def save_model(model: nn.Module, hf_config: dict[str, Any], out_dir: str | Path) -> None:

@@ -1,7 +1,7 @@
 """Tensor parallelism: which heads a rank keeps, its local config, and its weight slices.
 
 A rank runs the same model classes as a single process, built from a *local* config whose
-head and width counts are the rank's share (`shard_config`), so the model code and the
+head and width counts are the rank's share (`shard_config`, models/tp_shards.py), so the model code and the
 cache layout need no TP branches: the local config alone sizes a rank's pages. Projections
 into heads are column-parallel (rows of the weight split), projections out of heads are
 row-parallel (columns split) and the models all-reduce each block's output before the
@@ -15,16 +15,14 @@ those are replicated, not split.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from models.config import ConfigError, ModelConfig
+from models.config import ModelConfig
+from models.tp_shards import even_share, split_heads
 
 
 class TPGroup:
@@ -60,64 +58,6 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) 
     return TPGroup(rank, size, dist.group.WORLD)
 
 
-@dataclass(frozen=True, slots=True)
-class HeadSplit:
-    """A rank's query heads and the KV heads they read (the KV range is shared by several
-    ranks when there are fewer KV heads than ranks)."""
-
-    q: range
-    kv: range
-
-
-def split_heads(num_heads: int, num_kv_heads: int, rank: int, size: int, what: str) -> HeadSplit:
-    if num_heads % size:
-        raise ConfigError(f"{what}: {num_heads} heads do not split over tensor parallel size {size}")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ConfigError(
-            f"{what}: {num_kv_heads} KV heads neither split over nor replicate evenly to tensor parallel size {size}"
-        )
-    per = num_heads // size
-    group = num_heads // num_kv_heads
-    q = range(rank * per, (rank + 1) * per)
-    return HeadSplit(q, range(q.start // group, (q.stop - 1) // group + 1))
-
-
-def _even(n: int, rank: int, size: int, what: str) -> range:
-    if n % size:
-        raise ConfigError(f"{what} ({n}) does not split over tensor parallel size {size}")
-    per = n // size
-    return range(rank * per, (rank + 1) * per)
-
-
-def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
-    """The config of rank `rank`'s share of the model: what its modules and pages are sized by."""
-    if size == 1:
-        return cfg
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} outside tensor parallel size {size}")
-    local: dict[str, Any] = {"intermediate_size": len(_even(cfg.intermediate_size, rank, size, "intermediate_size"))}
-    if cfg.attention_layers:
-        heads = split_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size, "attention")
-        local |= {"num_attention_heads": len(heads.q), "num_key_value_heads": len(heads.kv)}
-    if cfg.mamba is not None:
-        m = cfg.mamba
-        mamba_heads = len(_even(m.num_heads, rank, size, "mamba_num_heads"))
-        if m.n_groups % size == 0:
-            mamba = dataclasses.replace(m, num_heads=mamba_heads, n_groups=m.n_groups // size)
-        elif m.n_groups == 1:
-            # One B/C group for all heads: every rank keeps it, and the gated norm, whose
-            # group spans every head, sums its squares across the ranks.
-            mamba = dataclasses.replace(m, num_heads=mamba_heads, norm_group_size=m.intermediate_size)
-        else:
-            raise ConfigError(f"mamba n_groups ({m.n_groups}) must be 1 or a multiple of tensor parallel size {size}")
-        local["mamba"] = mamba
-    if cfg.gated_delta_net is not None:
-        g = cfg.gated_delta_net
-        linear = split_heads(g.num_v_heads, g.num_k_heads, rank, size, "linear attention")
-        local["gated_delta_net"] = dataclasses.replace(g, num_v_heads=len(linear.q), num_k_heads=len(linear.kv))
-    return dataclasses.replace(cfg, **local)
-
-
 Rule = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -141,7 +81,7 @@ def _offset(r: range, by: int) -> range:
 def _rules(cfg: ModelConfig, rank: int, size: int) -> dict[str, Rule]:
     """Name suffix -> how that tensor is sliced for `rank`. Tensors no rule names are replicated."""
     rank0_only: Rule = (lambda t: t) if rank == 0 else torch.zeros_like  # a row-parallel bias adds once
-    mlp = _even(cfg.intermediate_size, rank, size, "intermediate_size")
+    mlp = even_share(cfg.intermediate_size, rank, size, "intermediate_size")
     rules: dict[str, Rule] = {}
     for name in ("up_proj", "gate_proj"):
         rules[f"{name}.weight"] = rules[f"{name}.bias"] = _rows([mlp])
@@ -167,8 +107,8 @@ def _mamba_rules(cfg: ModelConfig, rank: int, size: int, rank0_only: Rule) -> di
     head, B and C by group (or whole, for a single group), dt by head."""
     m = cfg.mamba
     assert m is not None
-    heads = _even(m.num_heads, rank, size, "mamba_num_heads")
-    groups = _even(m.n_groups, rank, size, "n_groups") if m.n_groups % size == 0 else range(m.n_groups)
+    heads = even_share(m.num_heads, rank, size, "mamba_num_heads")
+    groups = even_share(m.n_groups, rank, size, "n_groups") if m.n_groups % size == 0 else range(m.n_groups)
     inner, bc = _scaled(heads, m.head_dim), _scaled(groups, m.state_size)
     xbc = [inner, _offset(bc, m.intermediate_size), _offset(bc, m.intermediate_size + m.n_groups * m.state_size)]
     in_proj = _rows(

@@ -24,7 +24,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from models.batch import cdiv
+from kv.cache_group import cdiv
 
 KEY_CHARS = string.ascii_lowercase
 VALUE_CHARS = string.digits

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from actors.build import Role, check_tp
 from actors.config import Config, ConfigError
-from models.loader import ModelLoadError, load_config
+from models.model_files import ModelLoadError, load_config
 from serve import launch
 from serve.config import parse_args
 

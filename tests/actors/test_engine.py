@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
 from actors.config import Config
+from actors.local_engine import build_local_engine
 from actors.messages import SamplingParams
 from actors.reference import greedy_generate
 from models.loader import load_model

@@ -10,8 +10,8 @@ from actors.phases import RequestPhases
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
+from kv.cache_group import CacheGroup
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
 
 GROUPS = [CacheGroup("attention", (1,)), CacheGroup("mamba", (0,))]
 

@@ -14,8 +14,8 @@ from actors.messages import SamplingParams
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
+from kv.cache_group import CacheGroup
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
 from tests.actors.fake_worker import FakeWorker, reference
 
 HYBRID = [CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3))]

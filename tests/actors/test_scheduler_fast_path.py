@@ -17,8 +17,8 @@ from actors.messages import ModelRunnerOutput, RequestOutput, SamplingParams, Sc
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.stop import StopChecker
+from kv.cache_group import CacheGroup
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
 from tests.actors.fake_worker import FakeWorker
 
 HYBRID = [CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3))]

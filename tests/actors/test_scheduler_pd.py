@@ -9,9 +9,9 @@ from actors.messages import ModelRunnerOutput, SamplingParams
 from actors.request import Request, RequestStatus
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
+from kv.cache_group import CacheGroup, cdiv
 from kv.kv_cache_manager import KVCacheManager
 from kv.transfer_params import KVTransferParams
-from models.batch import CacheGroup, cdiv
 
 BS = 4
 HYBRID = (CacheGroup("attention", (1,)), CacheGroup("mamba", (0,)))

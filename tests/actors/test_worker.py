@@ -18,7 +18,8 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.reference import greedy_generate
-from actors.worker import Worker, WorkerConfig
+from actors.worker import Worker
+from actors.worker_config import WorkerConfig
 from models import cpu_kernels
 from tests.models.hf_fixtures import save_hf_model
 
@@ -285,7 +286,7 @@ def test_resumed_request_recomputes_and_continues_identically(checkpoint):
 
 def test_narrow_kv_cache_dtype(checkpoint):
     worker = make_worker(checkpoint, kv_cache_dtype="bfloat16")
-    assert worker.layout.attn_dtype == torch.bfloat16
+    assert worker.layout.attn_dtype == "bfloat16"
     drv = Driver(worker)
     drv.add("a", PROMPTS["a"])
     drv.step({"a": 7})

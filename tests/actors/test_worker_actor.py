@@ -11,8 +11,8 @@ import ray
 import torch
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
-from actors.worker import WorkerConfig
 from actors.worker_actor import RemoteWorker, WorkerActor
+from actors.worker_config import WorkerConfig
 from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
 from tests.huge_pages import huge_kib_at, thp_mode
 from tests.models.hf_fixtures import save_hf_model

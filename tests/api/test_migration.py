@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from actors.build import build_local_engine
 from actors.client import EngineLostError
+from actors.local_engine import build_local_engine
 from actors.messages import RequestOutput, SamplingParams
 from api import Engine, RoundRobinRouter
 from api.migration import MigrationPolicy, Progress

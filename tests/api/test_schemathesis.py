@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
-from actors.build import build_local_engine
 from actors.config import Config
+from actors.local_engine import build_local_engine
 from api import Engine, RoundRobinRouter, create_app
 from tests.api.conftest import free_port
 

@@ -14,9 +14,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
 from actors.config import Config
+from actors.local_engine import build_local_engine
 from actors.messages import SamplingParams
 from tests.api.conftest import deployed, free_port
 

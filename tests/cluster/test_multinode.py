@@ -23,9 +23,9 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from actors.build import build_local_engine
 from actors.client import EngineCalls, EngineClient
 from actors.config import DEFAULT_MODEL, Config
+from actors.local_engine import build_local_engine
 from actors.messages import SamplingParams
 from tests.cluster.netns import INNER_DEVICE, Network
 from tests.cluster.ray_nodes import (

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kv.cache_group import CacheGroup
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
 
 ATT = CacheGroup("attention", (0,))
 ATT2 = CacheGroup("attention", (2,))

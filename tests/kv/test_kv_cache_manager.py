@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
+from kv.cache_group import CacheGroup
 from kv.kv_cache_manager import KVCacheManager
-from models.batch import CacheGroup
 
 ATT = CacheGroup("attention", (0,))
 ATT2 = CacheGroup("attention", (2,))

@@ -17,7 +17,7 @@ from kv.tp_slices import PageSlicer
 from kv.transfer_params import KVTransferParams
 from kv.verify import checksum_blocks
 from models.config import ModelConfig
-from models.loader import load_config
+from models.model_files import load_config
 from models.tiny_configs import nemotron_h
 from tests.kv.test_nixl_worker import finish, notified
 from tests.models.hf_fixtures import save_hf_model
@@ -109,8 +109,8 @@ def test_a_peer_with_another_cache_is_refused_naming_every_difference():
 def test_kv_compat_follows_the_model_and_the_layout(tmp_path):
     save_hf_model("nemotron_h", tmp_path)
     cfg = load_config(str(tmp_path))
-    four, eight = (kv_compat(str(tmp_path), plan_layout(cfg, torch.float32, bs, 16, None)) for bs in (4, 8))
-    four.check(kv_compat(str(tmp_path), plan_layout(cfg, torch.float32, 4, 32, None)), "same")  # pool size is free
+    four, eight = (kv_compat(str(tmp_path), plan_layout(cfg, "float32", bs, 16, None)) for bs in (4, 8))
+    four.check(kv_compat(str(tmp_path), plan_layout(cfg, "float32", 4, 32, None)), "same")  # pool size is free
     with pytest.raises(KVCompatError, match=r"block_size 8 \(peer\) vs 4 \(here\)"):
         four.check(eight, "other")
 
@@ -192,8 +192,8 @@ def test_a_read_nixl_refuses_to_build_fails_the_load(prefill):
     registered is refused by NIXL when the transfer is built. Nothing is in flight then, so
     the load must not end as landed: every block fails and the prefill side is told."""
     cfg = ModelConfig.from_hf_dict(nemotron_h())
-    layout = plan_layout(cfg, torch.bfloat16, 4, BLOCKS)
-    slicer = PageSlicer(cfg, 4, torch.bfloat16, 0, 1, tuple(g.kind for g in layout.groups))
+    layout = plan_layout(cfg, "bfloat16", 4, BLOCKS)
+    slicer = PageSlicer(cfg, 4, "bfloat16", 0, 1, tuple(g.kind for g in layout.groups))
     bufs = [torch.zeros(BLOCKS, layout.page_bytes, dtype=torch.uint8) for _ in layout.buffers]
     dec = NixlWorkerConnector("dec", bufs, layout.page_bytes, BLOCKS, slicer=slicer)
     other = connector("pre")

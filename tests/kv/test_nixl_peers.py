@@ -5,7 +5,6 @@ notifies the remote ranks its TP sizes pair it with, counting readers where seve
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kv.nixl_peers import Peer, PeerInfo, PeerTable
 from kv.notif_counts import counted
@@ -22,7 +21,7 @@ def peer(engine: str, rank: int = 0, size: int = 1) -> Peer:
 
 def slicer(rank: int, size: int) -> PageSlicer:
     cfg = ModelConfig.from_hf_dict(nemotron_h())
-    return PageSlicer(cfg, 4, torch.bfloat16, rank, size, ("attention", "mamba"))
+    return PageSlicer(cfg, 4, "bfloat16", rank, size, ("attention", "mamba"))
 
 
 def test_an_engine_is_found_by_its_rank0_agent_with_every_rank_in_order():

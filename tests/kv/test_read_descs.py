@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv.cache_buffers import buffer_pages
 from kv.read_descs import Pages, page_indices, reads_any, slice_descs
 from kv.tp_slices import Piece
 
@@ -66,12 +67,12 @@ def test_a_read_moves_anything_only_with_blocks_and_slices(pairs, pieces, reads)
 
 def test_buffers_are_validated():
     with pytest.raises(ValueError, match="at least one buffer"):
-        Pages.of([], 64, 4)
+        buffer_pages([], 64, 4)
     with pytest.raises(ValueError, match=r"buffer 1 must be a contiguous uint8 \[4, 64\]"):
-        Pages.of([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8)], 64, 4)
+        buffer_pages([torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8)], 64, 4)
     with pytest.raises(ValueError, match="contiguous"):
-        Pages.of([torch.zeros(64, 4, dtype=torch.uint8).t()], 64, 4)
+        buffer_pages([torch.zeros(64, 4, dtype=torch.uint8).t()], 64, 4)
     with pytest.raises(ValueError, match="CPU or CUDA memory, not meta"):
-        Pages.of([torch.zeros(4, 64, dtype=torch.uint8, device="meta")], 64, 4)
+        buffer_pages([torch.zeros(4, 64, dtype=torch.uint8, device="meta")], 64, 4)
     buffers = [torch.zeros(4, 64, dtype=torch.uint8) for _ in range(2)]
-    assert Pages.of(buffers, 64, 4) == Pages(tuple(b.data_ptr() for b in buffers), 64, 4, 0)
+    assert buffer_pages(buffers, 64, 4) == Pages(tuple(b.data_ptr() for b in buffers), 64, 4, 0)

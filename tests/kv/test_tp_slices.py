@@ -24,7 +24,7 @@ def _config(kind: str, **overrides) -> ModelConfig:
 def _page(cfg: ModelConfig, kind: str, rank: int, size: int) -> np.ndarray:
     """A rank's page with every unit's bytes set to (part, global unit) so misplaced bytes show."""
     chunks = []
-    for p, part in enumerate(_parts(cfg, kind, BLOCK, torch.bfloat16)):
+    for p, part in enumerate(_parts(cfg, kind, BLOCK, "bfloat16")):
         for unit in part.ranges(rank, size):
             chunks.append(np.full(part.unit_bytes, (p * 1009 + unit * 31 + 7) % 251, dtype=np.uint8))
     return np.concatenate(chunks)
@@ -46,7 +46,7 @@ def test_pieces_rebuild_the_readers_page(kind, overrides, prefill_tp, decode_tp)
     for page_kind in ("attention", "mamba"):
         remote = [_page(cfg, page_kind, p, prefill_tp) for p in range(prefill_tp)]
         for d in range(decode_tp):
-            slicer = PageSlicer(cfg, BLOCK, torch.bfloat16, d, decode_tp, ("attention", "mamba"))
+            slicer = PageSlicer(cfg, BLOCK, "bfloat16", d, decode_tp, ("attention", "mamba"))
             want = _page(cfg, page_kind, d, decode_tp)
             got = np.zeros_like(want)
             writes = np.zeros(len(want), dtype=np.int64)
@@ -64,7 +64,7 @@ def test_pieces_rebuild_the_readers_page(kind, overrides, prefill_tp, decode_tp)
 def test_every_remote_rank_is_notified_by_its_readers(prefill_tp, decode_tp):
     cfg = _config("qwen3_5", num_key_value_heads=1, linear_num_key_heads=1)
     kinds = ("attention", "mamba")
-    slicers = [PageSlicer(cfg, BLOCK, torch.bfloat16, d, decode_tp, kinds) for d in range(decode_tp)]
+    slicers = [PageSlicer(cfg, BLOCK, "bfloat16", d, decode_tp, kinds) for d in range(decode_tp)]
     for p in range(prefill_tp):
         notifiers = [s for s in slicers if s.notifies(p, prefill_tp)]
         assert len(notifiers) == slicers[0].readers(p, prefill_tp) >= 1
@@ -80,7 +80,7 @@ def test_a_prefill_ranks_checksum_of_what_a_decode_rank_reads_matches_what_lande
     for page_kind in kinds:
         remote = [_page(cfg, page_kind, p, prefill_tp) for p in range(prefill_tp)]
         for d in range(decode_tp):
-            slicer = PageSlicer(cfg, BLOCK, torch.bfloat16, d, decode_tp, kinds)
+            slicer = PageSlicer(cfg, BLOCK, "bfloat16", d, decode_tp, kinds)
             local = _page(cfg, page_kind, d, decode_tp)
             for p in range(prefill_tp):
                 pieces = read_pieces(slicer, page_kind, p, prefill_tp, d, decode_tp, len(local))

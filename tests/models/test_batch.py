@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from models.batch import CacheGroup, SeqChunk, build_forward_batch, cdiv
+from kv.cache_group import CacheGroup, cdiv
+from models.batch import SeqChunk, build_forward_batch
 
 GROUPS = (CacheGroup("attention", (1, 3)), CacheGroup("mamba", (0, 2)))
 BLOCK = 4

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kv.cache_group import cdiv
 from models import cpu_kernels
 from models.attention import _attend_decode
-from models.batch import cdiv, padding_indices
+from models.batch import padding_indices
 from models.layers import RMSNorm
 from models.mamba import ssm_step
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.loader import ModelLoadError, load_model
+from models.loader import load_model
+from models.model_files import ModelLoadError
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from actors.reference import greedy_generate
-from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch, cdiv
+from kv.cache_buffers import allocate_caches
+from kv.cache_group import cdiv
+from kv.cache_layout import plan_layout
+from models.batch import SeqChunk, build_forward_batch
 from models.loader import load_model
 
 torch.manual_seed(0)
@@ -45,7 +47,7 @@ def test_dense_logits_match_transformers(loaded):
 def test_paged_prefill_logits_match_transformers(loaded, block_size):
     _, ours, ref = loaded
     cfg = ours.config
-    layout = plan_layout(cfg, torch.float32, block_size, num_blocks=200)
+    layout = plan_layout(cfg, "float32", block_size, num_blocks=200)
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     for buf in buffers:
         buf.zero_()
@@ -86,7 +88,7 @@ def test_mixed_prefill_and_decode_in_one_call(loaded, decode_path):
     _, ours, _ = loaded
     block_size, chunk, new = 4, 9, 12
     cfg = ours.config
-    layout = plan_layout(cfg, torch.float32, block_size, num_blocks=200)
+    layout = plan_layout(cfg, "float32", block_size, num_blocks=200)
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     blocks = _fixed_blocks(layout, len(PROMPTS), cdiv(max(map(len, PROMPTS)) + new, block_size))
     for buf in buffers:

@@ -9,15 +9,16 @@ import math
 import torch
 from torch.nn import functional as F
 
+from kv.cache_group import CacheGroup
 from models.attention import paged_attention
-from models.batch import CacheGroup, SeqChunk, build_forward_batch
+from models.batch import SeqChunk, build_forward_batch
 
 BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 8, 16
 GROUPS = (CacheGroup("attention", (0,)),)
 
 
 def _pages() -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views over head-major pages, as kv/cache_layout.py lays them out."""
+    """K and V views over head-major pages, as kv/cache_buffers.py lays them out."""
     torch.manual_seed(0)
     kv = torch.randn(BLOCKS, 2, KV_HEADS, BLOCK, DIM)
     return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)

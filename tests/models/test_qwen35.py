@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from actors.reference import greedy_generate
-from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch, cdiv
-from models.loader import ModelLoadError, load_model
+from kv.cache_buffers import allocate_caches
+from kv.cache_group import cdiv
+from kv.cache_layout import plan_layout
+from models.batch import SeqChunk, build_forward_batch
+from models.loader import load_model
+from models.model_files import ModelLoadError
 from tests.models.hf_fixtures import save_hf_model
 
 VARIANTS = {
@@ -62,7 +65,7 @@ def test_paged_prefill_logits_match_transformers(pair):
     ours, ref = pair
     cfg = ours.config
     block = 16
-    layout = plan_layout(cfg, torch.float32, block, num_blocks=64)
+    layout = plan_layout(cfg, "float32", block, num_blocks=64)
     _buffers, caches = allocate_caches(layout, cfg, "cpu")
     per_req = cdiv(max(map(len, LONG)), block)
     ids, next_id = [], 0
@@ -108,7 +111,7 @@ def test_state_page_is_not_read_before_the_first_chunk_writes_it(pair):
     ours, _ = pair
     cfg = ours.config
     block = 16
-    layout = plan_layout(cfg, torch.float32, block, num_blocks=32)
+    layout = plan_layout(cfg, "float32", block, num_blocks=32)
     _buffers, caches = allocate_caches(layout, cfg, "cpu")
     prompt = LONG[1]
     ids = [list(range(0, 5)) if g.kind == "attention" else [10 + i] for i, g in enumerate(layout.groups)]

@@ -11,10 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch, cdiv
+from kv.cache_buffers import allocate_caches
+from kv.cache_group import cdiv
+from kv.cache_layout import plan_layout
+from models.batch import SeqChunk, build_forward_batch
+from models.dtypes import dtype_name
 from models.layers import Linear, StackedLinear, pack_linears, stack_projections
-from models.loader import build_model, load_config
+from models.loader import build_model
+from models.model_files import load_config
 
 BLOCK = 4
 
@@ -30,7 +34,7 @@ def _randomised(model: nn.Module) -> nn.Module:
 
 
 def _paged_logits(model: nn.Module, cfg, dtype: torch.dtype) -> torch.Tensor:
-    layout = plan_layout(cfg, dtype, BLOCK, num_blocks=64)
+    layout = plan_layout(cfg, dtype_name(dtype), BLOCK, num_blocks=64)
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     for buf in buffers:
         buf.zero_()

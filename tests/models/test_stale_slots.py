@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from kv.cache_layout import allocate_caches, plan_layout
-from models.batch import SeqChunk, build_forward_batch, cdiv
+from kv.cache_buffers import allocate_caches
+from kv.cache_group import cdiv
+from kv.cache_layout import plan_layout
+from models.batch import SeqChunk, build_forward_batch
 from models.loader import load_model
 
 BLOCK = 4
@@ -14,7 +16,7 @@ BLOCK = 4
 
 def _run(model, prompt, poison: bool, zero_after_poison: bool) -> torch.Tensor:
     cfg = model.config
-    layout = plan_layout(cfg, torch.float32, BLOCK, num_blocks=32)
+    layout = plan_layout(cfg, "float32", BLOCK, num_blocks=32)
     buffers, caches = allocate_caches(layout, cfg, "cpu")
     for buf in buffers:
         buf.zero_()

@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from actors.reference import greedy_generate
-from kv.cache_layout import allocate_caches, plan_layout
+from kv.cache_buffers import allocate_caches
+from kv.cache_layout import plan_layout
 from models.batch import SeqChunk, build_forward_batch
-from models.loader import ModelLoadError, load_model
+from models.loader import load_model
+from models.model_files import ModelLoadError
 from models.tensor_parallel import TPGroup, init_tp_group
 from tests.models.hf_fixtures import save_hf_model
 from tests.models.test_models import _fixed_blocks
@@ -49,7 +51,7 @@ def _free_port() -> int:
 def _outputs(model: torch.nn.Module) -> dict[str, Any]:
     """Paged prefill logits, dense logits, and greedy continuations with chunked prefill."""
     cfg = model.config
-    layout = plan_layout(cfg, torch.float32, 4, num_blocks=64)
+    layout = plan_layout(cfg, "float32", 4, num_blocks=64)
     _, caches = allocate_caches(layout, cfg, "cpu")
     blocks = _fixed_blocks(layout, len(PROMPTS), 8)
     chunks = [SeqChunk(p, 0, ids) for p, ids in zip(PROMPTS, blocks)]

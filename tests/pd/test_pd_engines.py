@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 
 import pytest
@@ -61,12 +62,19 @@ def check_idle(*engines):
         assert stats.num_blocks_free == stats.num_blocks_total
 
 
+def torch_loaded(engine) -> bool:
+    """Whether the engine's process has imported torch (only its workers should: docs/design.md §14)."""
+    return ray.get(engine.__ray_call__.remote(lambda _self: "torch" in sys.modules))
+
+
 def run_pd(cfg: Config, reqs):
-    """Serve `reqs` on a fresh 1P1D pair; check both return every block; the decode stats."""
+    """Serve `reqs` on a fresh 1P1D pair; check both return every block, having moved the KV
+    without loading torch in the engines' processes; the decode stats."""
     prefill, decode = start_pd(cfg)
     try:
         got = serve_pd(prefill, decode, reqs)
         check_idle(prefill, decode)
+        assert not torch_loaded(prefill) and not torch_loaded(decode)
         stats = ray.get(decode.stats.remote())
     finally:
         stop_actors(prefill, decode)

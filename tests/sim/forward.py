@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from models.batch import CacheGroup, cdiv
+from kv.cache_group import CacheGroup, cdiv
 from tests.sim.content import KV, Mark, PageMemory, Provenance, State, describe_page
 
 

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
-from models.batch import CacheGroup, cdiv
+from kv.cache_group import CacheGroup, cdiv
 from tests.actors.fake_worker import VOCAB, next_token
 from tests.sim.content import PageMemory, Provenance, extend_prefix_hashes
 from tests.sim.fabric import Fabric, SimConnector

@@ -7,8 +7,8 @@ import asyncio
 import random
 
 from actors.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from kv.cache_group import CacheGroup
 from kv.transfer_params import KVTransferParams
-from models.batch import CacheGroup
 from tests.actors.fake_worker import VOCAB, next_token
 from tests.sim.content import KV, Mark, PageMemory, Provenance, State, extend_prefix_hashes
 from tests.sim.fabric import Fabric, TransferTiming

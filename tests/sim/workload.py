@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-from models.batch import CacheGroup
+from kv.cache_group import CacheGroup
 from tests.sim.fabric import TransferTiming
 
 BLOCK_SIZE = 4
