@@ -43,7 +43,7 @@ def worker_config(
         cfg.model,
         dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype,
-        device=cfg.resolved_device,
+        device=cfg.device,
         cpu_kernels=cfg.cpu_kernels,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,

@@ -172,15 +172,6 @@ class Config:
             return self.max_inflight
         return self.decode * (self.max_num_seqs + self.max_waiting)
 
-    @property
-    def resolved_device(self) -> str:
-        """The device `auto` stands for on this machine."""
-        if self.device != "auto":
-            return self.device
-        import torch  # here, not at the top: parsing the CLI should not pay for importing torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
     def describe(self) -> str:
         """Every field as `name = value`, one a line, secrets masked: printed at start-up."""
         fields = dataclasses.fields(self)

@@ -49,6 +49,14 @@ from models.tensor_parallel import init_tp_group
 log = logging.getLogger(__name__)
 
 
+def resolve_device(name: str) -> torch.device:
+    """`auto` is resolved here, on the worker's node: the engine that configured the worker may
+    sit on a node without the worker's GPU, and does not load torch (docs/design.md §14)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def parse_dtype(name: str) -> str | None:
     """None for 'auto' (the checkpoint's dtype for weights, the weights' dtype for the cache)."""
     if name == "auto":
@@ -75,7 +83,7 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg.device)
         cpu_kernels.enable(cfg.cpu_kernels and self.device.type == "cpu")
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)

@@ -17,7 +17,7 @@ class WorkerConfig:
     model_dir: str
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # or "auto": cuda where the worker runs has one, else cpu
     cpu_kernels: bool = True  # the C++ decode kernels on a CPU (models/cpu_kernels.py)
     block_size: int | None = None
     num_kv_blocks: int | None = None

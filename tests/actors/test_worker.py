@@ -296,6 +296,13 @@ def test_narrow_kv_cache_dtype(checkpoint):
     worker.close()
 
 
+def test_the_auto_device_is_resolved_by_the_worker(checkpoint):
+    """The engine passes `auto` on (it does not load torch); the worker picks its own device."""
+    worker = make_worker(checkpoint, device="auto")
+    assert worker.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    worker.close()
+
+
 def test_without_the_cpu_kernels_the_torch_path_gives_the_same_tokens(checkpoint, monkeypatch):
     """`--no-cpu-kernels` reaches the worker, which then runs the torch path, greedy-equal."""
     monkeypatch.setattr(cpu_kernels._Switch, "on", True)  # restored after the test

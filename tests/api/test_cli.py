@@ -19,6 +19,20 @@ SHIPPED = ROOT / "models" / "tiny-hybrid"
 START_TIMEOUT_S = 150
 
 
+def without_a_worker() -> dict[int, str]:
+    """This machine's engine and API replica processes, by pid, each with whether it maps
+    libtorch (only workers should: docs/design.md §14)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode()
+            if title.startswith(("ray::EngineActor", "ray::ServeReplica:raypd")):
+                found[int(proc.name)] = f"{title} torch={'libtorch' in (proc / 'maps').read_text()}"
+        except OSError:
+            continue  # the process ended meanwhile
+    return found
+
+
 def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -81,6 +95,9 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
             json={"model": card["id"], "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 4},
         )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        processes = without_a_worker()
+        assert any("EngineActor" in p for p in processes.values()), processes
+        assert all(p.endswith("torch=False") for p in processes.values()), processes
     except BaseException:
         proc.kill()
         proc.wait()

@@ -30,7 +30,7 @@ def test_defaults_are_valid() -> None:
     assert config.model_name == "tiny-hybrid"
     assert config.kv_cache_memory == 256 << 20
     assert config.colocated and config.decode == 1
-    assert config.resolved_device in ("cpu", "cuda")
+    assert config.device == "auto"
     assert load_config([], {}) == config
 
 
