@@ -25,7 +25,11 @@ from serve.placement import NORMAL_PRIORITY
 
 DEPLOYMENT_NAME = "raypd-api"
 _CONTROL_HEADROOM = 64  # requests beyond the admitted ones: health checks, metrics, refusals
-_SERVE_QUEUE = 256
+# Serve counts a request as queued until the replica has taken it, and a burst arrives faster
+# than its router hands requests over: with a queue of 256, a burst of 300 at an ingress
+# admitting 100 had Serve refuse 18-30 of them itself, in plain text. The ingress refuses in
+# OpenAI's shape; Serve's bound is the last resort, several times what the ingress admits.
+_SERVE_QUEUE_PER_ADMITTED = 8
 
 
 class Ingress:
@@ -55,13 +59,14 @@ def build_app(cfg: Config, engine_names: dict[str, list[str]], namespace: str) -
     """`engine_names`: "prefill" and "decode" lists (no prefill names: colocated engines)."""
     # Serve queues requests beyond max_ongoing_requests in front of the replica: allow more than
     # the app admits (it answers 503 in OpenAI's shape past `inflight_limit`), with room for
-    # /health and /metrics; Serve's own queue is bounded too, and answers 503 with Retry-After.
+    # /health and /metrics; Serve's own queue is bounded too, and past it Serve answers 503 with
+    # Retry-After (a plain-text body).
     deployment = serve.deployment(
         serve.ingress()(Ingress),
         name=DEPLOYMENT_NAME,
         ray_actor_options={"num_cpus": 0, "runtime_env": NORMAL_PRIORITY},  # it routes, it does not compute
         max_ongoing_requests=cfg.inflight_limit + _CONTROL_HEADROOM,
-        max_queued_requests=_SERVE_QUEUE,
+        max_queued_requests=_SERVE_QUEUE_PER_ADMITTED * cfg.inflight_limit + _CONTROL_HEADROOM,
         backpressure_config=BackpressureConfig(retry_after_s=RETRY_AFTER_S),
     )
     return deployment.bind(cfg.to_dict(), engine_names, namespace)

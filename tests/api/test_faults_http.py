@@ -265,6 +265,8 @@ def test_overload_at_3x_capacity_every_request_is_served_or_refused_with_retry_a
     assert len(ok) + len(refused) == n, [r.text for r in responses if r.status_code not in (200, 503)]
     assert ok and refused
     assert all(r.headers.get("Retry-After") for r in refused)
+    not_openai = [(r.headers, r.text) for r in refused if not r.text.startswith('{"error"')]
+    assert not not_openai, not_openai[:3]
     assert all(r.json()["error"]["type"] == "service_unavailable_error" for r in refused)
     assert all(r.json()["usage"]["completion_tokens"] == tokens for r in ok)
     wait_healthy(http)
