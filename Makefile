@@ -35,7 +35,7 @@ lint: $(STAMP)
 test: setup lint
 	$(PY) -m pytest -q -m "not cluster and not multinode and not faults" tests
 
-# The HTTP fault suite (not part of `make test`: 2-3 min, one case flaky under load): engines killed mid-stream and in
+# The HTTP fault suite (not part of `make test`: 1.5-2.5 min): engines killed mid-stream and in
 # flight, 100 clients dropping, overload at 3x; RAYPD_FAULT_REPORT=FILE collects a line per case.
 test-faults: setup
 	$(PY) -m pytest -q -m faults tests
