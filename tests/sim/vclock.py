@@ -28,8 +28,8 @@ class _VirtualSelector(selectors.DefaultSelector):
             raise LoopStalled("the event loop has nothing scheduled: every task waits for ever")
         if timeout > 0:
             self._loop.advance(timeout)
-        # Only the loop's own self-pipe is registered; never block on it.
-        return super().select(0)
+        # Only the loop's own self-pipe is registered, and nothing writes to it (below).
+        return []
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -44,6 +44,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def advance(self, seconds: float) -> None:
         self._now += seconds
+
+    def _write_to_self(self) -> None:
+        """No wake-up byte: this loop never waits in select (time jumps instead), and a callback
+        scheduled from another thread is queued before the wake-up is written. Each completed step
+        future wrote one and select read it back: tests/sim took 53.4 s with them, 47.8 s without
+        (two alternating runs each)."""
 
 
 def run_virtual(main: Any) -> Any:
