@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
 
 from tokenizers import Tokenizer
 
-from actors.config import Config, ConfigError
+from actors.config import Config, ConfigError, Role
+from actors.cpu_affinity import parse_cpus, rank_cpus
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
@@ -23,9 +23,6 @@ from models.model_files import load_config, load_generation_config
 from models.tp_shards import shard_config
 
 log = logging.getLogger(__name__)
-
-
-Role = Literal["colocated", "prefill", "decode"]
 
 
 def worker_config(
@@ -44,6 +41,7 @@ def worker_config(
         dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype,
         device=cfg.device,
+        cpus=rank_cpus(parse_cpus(cfg.worker_cpus), tp_rank, tp) if cfg.worker_cpus else (),
         cpu_kernels=cfg.cpu_kernels,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from actors.cpu_affinity import bind_thread, check_cpus
+
 T = TypeVar("T")
 
 
@@ -30,11 +32,13 @@ class ComputeStream:
     submitter, which widens race windows (e.g. a transfer landing before a queued zeroing).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", delay_s: float = 0.0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", delay_s: float = 0.0, cpus: tuple[int, ...] = ()) -> None:
+        """`cpus`: bind the stream's thread, and torch's threads it starts, to these CPUs."""
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.device = torch.device(device)
         self.delay_s = delay_s
+        check_cpus(cpus)
         self._cuda: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             # Weights and caches were written on the default stream before this one existed;
@@ -47,8 +51,8 @@ class ComputeStream:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="compute-stream",
-            initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initializer=_start_thread,
+            initargs=(torch.get_num_threads(), cpus),
         )
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -69,3 +73,9 @@ class ComputeStream:
             done.record(self._cuda)
         done.synchronize()
         return result
+
+
+def _start_thread(num_threads: int, cpus: tuple[int, ...]) -> None:
+    if cpus:
+        bind_thread(cpus)  # before torch starts its OpenMP threads, which inherit the binding
+    torch.set_num_threads(num_threads)

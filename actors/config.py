@@ -17,6 +17,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
+from actors.cpu_affinity import parse_cpus, rank_cpus
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 FailurePolicy = Literal["recompute", "fail"]
@@ -25,6 +27,9 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
 MiB = 1 << 20
 MAX_TP = 64
+
+
+Role = Literal["colocated", "prefill", "decode"]
 
 
 class ConfigError(ValueError):
@@ -96,6 +101,11 @@ class Config:
     prefill_tp: int | None = _f(None, "tensor-parallel ranks per prefill engine; default: -tp", lo=1, hi=MAX_TP)
     decode_tp: int | None = _f(None, "tensor-parallel ranks per decode engine; default: -tp", lo=1, hi=MAX_TP)
     worker_threads: int | None = _f(None, "torch threads per worker actor; default: torch's", lo=1)
+    worker_cpus: str | None = _f(
+        None,
+        "CPUs the workers compute on, as a list like 0-3,8 (a TP engine's ranks share it out); the "
+        "engine and API processes keep to the other CPUs. Default: nothing is bound",
+    )
     address: str | None = _f(
         None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a local cluster"
     )
@@ -144,6 +154,14 @@ class Config:
         if self.prefill == 0 and (self.prefill_tp is not None or self.decode_tp is not None):
             # Sizing prefill and decode engines asks for them: one prefill engine unless told more.
             object.__setattr__(self, "prefill", 1)
+        if self.worker_cpus:
+            try:
+                cpus = parse_cpus(self.worker_cpus)
+                roles: tuple[Role, ...] = ("colocated",) if self.colocated else ("prefill", "decode")
+                for role in roles:
+                    rank_cpus(cpus, 0, self.tp_size(role))
+            except ValueError as e:
+                raise ConfigError(f"invalid worker_cpus {self.worker_cpus!r}: {e}", "worker_cpus") from None
 
     @property
     def model_name(self) -> str:
@@ -155,7 +173,7 @@ class Config:
         """True when each engine does both prefill and decode."""
         return self.prefill == 0
 
-    def tp_size(self, role: Literal["colocated", "prefill", "decode"]) -> int:
+    def tp_size(self, role: Role) -> int:
         """The tensor-parallel ranks of an engine of `role`."""
         own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
         return own or self.tensor_parallel_size

@@ -104,7 +104,7 @@ class Worker:
         # Touched only by jobs on the stream; read it between steps, never during one.
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None
-        self._stream = ComputeStream(self.device, cfg.stream_delay_s)
+        self._stream = ComputeStream(self.device, cfg.stream_delay_s, cfg.cpus)
         # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
         # decode worker reads.
         self.connector = (

@@ -59,6 +59,8 @@ def raypd_command(model: Path, name: str, port: int, threads: int, max_num_seqs:
         "float32",
         "--worker-threads",
         str(threads),
+        "--worker-cpus",  # the cores vllm_env binds vLLM's compute threads to
+        f"0-{threads - 1}",
         "--max-num-seqs",
         str(max_num_seqs),
         "--log-level",

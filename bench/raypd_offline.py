@@ -44,7 +44,15 @@ async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) 
 
 async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    cfg = Config(model=args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs, seed=0)
+    # The forward on the cores vLLM's compute threads are bound to (bench/peer_servers.vllm_env).
+    cfg = Config(
+        model=args.model,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+        worker_cpus=f"0-{args.threads - 1}",
+    )
     core, worker = build_local_engine(cfg)
     freeze_startup_objects()  # as the worker and engine actors do
     try:

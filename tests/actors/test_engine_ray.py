@@ -4,6 +4,7 @@ ones over gloo: same outputs as in-process, every block back."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import ray
@@ -62,6 +63,24 @@ def test_tp2_engine_equals_alone(ray_cluster, tmp_path, kind, overrides):
     assert got == alone(str(tmp_path), reqs)
     assert stats.num_blocks_free == stats.num_blocks_total
     assert stats.extra["steps"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="keeping off a CPU needs another one")
+def test_worker_cpus_bind_the_forward_and_keep_the_engine_off_them(ray_cluster, tmp_path):
+    save_hf_model("qwen3", tmp_path)
+    cpus = sorted(os.sched_getaffinity(0))
+    cfg = config(tmp_path, max_num_seqs=8, max_num_batched_tokens=64, worker_cpus=str(cpus[-1]))
+    engine = RemoteEngine.remote(cfg.to_dict())
+    try:
+        ray.get(engine.ready.remote())
+        (worker,) = ray.get(engine.__ray_call__.remote(lambda e: e.workers))
+        forward = ray.get(
+            worker.__ray_call__.remote(lambda w: w._worker._stream.submit(os.sched_getaffinity, 0).result())
+        )
+        assert forward == {cpus[-1]}
+        assert ray.get(engine.__ray_call__.remote(lambda e: sorted(os.sched_getaffinity(0)))) == cpus[:-1]
+    finally:
+        stop_actors(engine)
 
 
 def test_tp_the_heads_cannot_split_is_a_config_error(ray_cluster, tmp_path):
