@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from actors.config import Config, ConfigError, Role
-from actors.cpu_affinity import parse_cpus, rank_cpus
+from actors.cpu_affinity import rank_cpus
 from actors.engine import EngineCore, StepExecutor
 from actors.scheduler import DisaggConfig, Scheduler, SchedulerConfig
 from actors.stop import StopChecker
@@ -41,7 +41,7 @@ def worker_config(
         dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype,
         device=cfg.device,
-        cpus=rank_cpus(parse_cpus(cfg.worker_cpus), tp_rank, tp) if cfg.worker_cpus else (),
+        cpus=rank_cpus(cfg.worker_cpu_list, tp_rank, tp) if cfg.worker_cpus else (),
         cpu_kernels=cfg.cpu_kernels,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,

@@ -156,7 +156,7 @@ class Config:
             object.__setattr__(self, "prefill", 1)
         if self.worker_cpus:
             try:
-                cpus = parse_cpus(self.worker_cpus)
+                cpus = self.worker_cpu_list
                 roles: tuple[Role, ...] = ("colocated",) if self.colocated else ("prefill", "decode")
                 for role in roles:
                     rank_cpus(cpus, 0, self.tp_size(role))
@@ -167,6 +167,11 @@ class Config:
     def model_name(self) -> str:
         """The name clients use in requests."""
         return self.served_model_name or Path(self.model).name
+
+    @property
+    def worker_cpu_list(self) -> tuple[int, ...]:
+        """`worker_cpus` as CPU numbers; none when it is not set."""
+        return parse_cpus(self.worker_cpus) if self.worker_cpus else ()
 
     @property
     def colocated(self) -> bool:

@@ -49,9 +49,9 @@ def bind_thread(cpus: tuple[int, ...]) -> None:
 
 def keep_off(worker_cpus: tuple[int, ...]) -> None:
     """Bind every thread of this process to the CPUs the workers were not given, if any are left
-    (on a node with no others, the process stays where it was)."""
+    (with no workers' CPUs, or none other on the node, the process stays where it was)."""
     rest = os.sched_getaffinity(0) - set(worker_cpus)
-    if not rest:
+    if not worker_cpus or not rest:
         return
     for tid in os.listdir("/proc/self/task"):
         try:

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.build import Role, check_tp, disagg_config, make_engine, worker_config
 from actors.config import Config
-from actors.cpu_affinity import keep_off, parse_cpus
+from actors.cpu_affinity import keep_off
 from actors.messages import EngineStats, OutputBatch, SamplingParams
 from actors.startup import freeze_startup_objects
 from actors.worker_actor import RemoteWorker
@@ -39,8 +39,7 @@ class EngineActor:
         prefers this actor's node, since they talk every step; Ray places it elsewhere if this node
         lacks what it asks for (a GPU)."""
         self.config = Config.from_dict(config)
-        if self.config.worker_cpus:
-            keep_off(parse_cpus(self.config.worker_cpus))
+        keep_off(self.config.worker_cpu_list)
         self.role = role
         self.engine_id = engine_id
         # Unique per incarnation: a replaced engine's agent must not be confused with the old one.

@@ -16,7 +16,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
 from actors.config import Config
-from actors.cpu_affinity import keep_off, parse_cpus
+from actors.cpu_affinity import keep_off
 from actors.startup import freeze_startup_objects
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from api.errors import RETRY_AFTER_S
@@ -36,8 +36,7 @@ _SERVE_QUEUE_PER_ADMITTED = 8
 class Ingress:
     def __init__(self, config: dict[str, Any], engine_names: dict[str, list[str]], namespace: str) -> None:
         cfg = Config.from_dict(config)
-        if cfg.worker_cpus:
-            keep_off(parse_cpus(cfg.worker_cpus))
+        keep_off(cfg.worker_cpu_list)
         handles = {name: ray.get_actor(name, namespace=namespace) for names in engine_names.values() for name in names}
         by_name = {name: Engine.remote(name, handle) for name, handle in handles.items()}
 
