@@ -7,7 +7,6 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from typing import Any
 
@@ -18,6 +17,7 @@ from actors.build import Role, check_tp, disagg_config, make_engine, worker_conf
 from actors.config import Config
 from actors.cpu_affinity import keep_off
 from actors.messages import EngineStats, OutputBatch, SamplingParams
+from actors.ports import free_port
 from actors.startup import freeze_startup_objects
 from actors.worker_actor import RemoteWorker
 from kv.lease import LeaseRenewer
@@ -48,7 +48,7 @@ class EngineActor:
         tp = self.config.tp_size(role)
         # The ranks meet at a port of this node, where they are placed too (a rank that Ray
         # must place elsewhere reaches it over the network).
-        init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}" if tp > 1 else ""
+        init = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}" if tp > 1 else ""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.workers = [
             RemoteWorker.options(scheduling_strategy=here, **(worker_options or {})).remote(
@@ -143,12 +143,6 @@ class EngineActor:
             self._renewer.cancel()
         await self.core.close()
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 # Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +43,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.ports import free_port
 from bench.cma import read_spans
 from kv.cache_buffers import page_buffer
 from kv.nixl_worker import NixlWorkerConnector, PeerInfo
@@ -169,12 +169,6 @@ class Endpoint:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @ray.remote(num_cpus=0)
 class Memcpy:
     """The limit: the same pages copied by one thread in one process."""
@@ -211,7 +205,7 @@ def _one_layout(block_mib: float, counts: list[int], buffers: int, reps: int, de
     info = ray.get(prefill.metadata.remote())
     ray.get(decode.connect.remote(info, prefill))
     prefill_pid = ray.get(prefill.pid.remote())
-    port = _free_port()
+    port = free_port()
     ray.get([prefill.gloo_init.remote(0, port), decode.gloo_init.remote(1, port)])
     memcpy = (Memcpy.options(num_gpus=0.5) if device == "cuda" else Memcpy).remote(
         num_blocks, page_bytes, buffers, device

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ import httpx
 from tqdm import tqdm
 
 from actors.config import Config
+from actors.ports import free_port
 from bench.client import LoadSpec, Sample, run_load, warm_up
 from bench.plot import plot_runs
 from bench.server_metrics import breakdown, wait_idle
@@ -36,12 +36,6 @@ from serve import launch
 from serve.config import parse_args as parse_serve_args
 
 IDLE_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _served_model(url: str, api_key: str | None) -> str:
@@ -154,7 +148,7 @@ def _main(argv: list[str] | None) -> int:
         runs.append(("server", samples, wall))
     else:
         for prefill, decode in args.layouts:
-            cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=_free_port())
+            cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=free_port())
             dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
             try:
                 report, samples, wall = measure(dep.url, spec(cfg.model_name), slo, f"{prefill}x{decode}")

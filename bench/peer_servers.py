@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,6 @@ from pathlib import Path
 import httpx
 
 _READY_TIMEOUT_S = 600.0  # vLLM CPU compiles the model with inductor on its first start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_env(threads: int, kv_cache_gib: int = 2) -> dict[str, str]:

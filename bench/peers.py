@@ -37,9 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from actors.ports import free_port
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
-from bench.peer_servers import free_port, raypd_command, running, vllm_command, vllm_env
+from bench.peer_servers import raypd_command, running, vllm_command, vllm_env
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 32)

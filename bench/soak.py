@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import ray
 
 from actors.config import Config
 from actors.messages import EngineStats
+from actors.ports import free_port
 from bench.rss import ray_worker_rss
 from bench.soak_traffic import KINDS, WEIGHTS, Outcome, request
 from serve import launch
@@ -64,12 +64,6 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--traffic-seed", type=int, default=13, help="the traffic's and the faults' random seed")
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"), help="the report file")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Faults:
@@ -190,7 +184,7 @@ def _rss_mib() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_serve_args(argv, extra=_flags)
     given = set(vars(args)) | {k for k in DEFAULTS if ENV_PREFIX + k.upper() in os.environ}
-    cfg = dataclasses.replace(args.config, port=_free_port(), **{k: v for k, v in DEFAULTS.items() if k not in given})
+    cfg = dataclasses.replace(args.config, port=free_port(), **{k: v for k, v in DEFAULTS.items() if k not in given})
     lines = (Path(cfg.model) / "eval.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)

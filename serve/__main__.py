@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
+
+from ray.exceptions import RayTaskError
 
 from actors.build import Role, check_tp
 from actors.config import Config, ConfigError
@@ -50,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"raypd: {e}", file=sys.stderr)
         return 2
+    if launch.cluster_address(cfg) is None and (taken := _cannot_listen(cfg)):
+        print(f"raypd: cannot listen on {cfg.host}:{cfg.port} (--host, --port): {taken}", file=sys.stderr)
+        return 2
     # Ctrl-C and SIGTERM only raise a flag: an exception thrown into the middle of a Ray call can
     # crash the process, so a stop during start-up waits for the start to finish. A second
     # signal does interrupt (for a start that hangs).
@@ -65,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         dep = launch.start(cfg)
     except Exception as e:  # launch.start has cleaned up; a one-line reason beats Ray's traceback
-        print(f"raypd: cannot start: {e}", file=sys.stderr)
+        print(f"raypd: cannot start: {_reason(e)}", file=sys.stderr)
         return 1
     if cfg.detach:
         print(
@@ -86,6 +92,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         launch.stop(dep)
     return 0
+
+
+def _cannot_listen(cfg: Config) -> str:
+    """Why Serve's proxy could not bind the address, or "". A local cluster puts the proxy on
+    this machine, so a port in use is found before the cluster starts; the check binds as Serve
+    does, without SO_REUSEADDR."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET) as s:
+            s.bind((cfg.host, cfg.port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return ""
+
+
+def _reason(e: BaseException) -> str:
+    """The error an actor raised, without the remote traceback Ray wraps it in."""
+    while isinstance(e, RayTaskError) and e.cause is not None:
+        e = e.cause
+    return str(e)
 
 
 def _stop(cfg: Config) -> int:

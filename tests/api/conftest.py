@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -39,9 +38,3 @@ def deployed(cfg: Config) -> Iterator[launch.Deployment]:
             launch.stop(dep)
     finally:
         serve.shutdown()  # also after a start that failed with Serve up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

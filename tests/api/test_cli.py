@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.conftest import free_port
+from actors.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "tiny-hybrid"

@@ -28,8 +28,9 @@ import pytest
 import ray
 
 from actors.config import Config
+from actors.ports import free_port
 from serve.engines import NAMESPACE
-from tests.api.conftest import deployed, free_port
+from tests.api.conftest import deployed
 
 pytestmark = pytest.mark.faults
 

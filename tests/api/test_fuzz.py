@@ -20,9 +20,10 @@ import httpx
 import pytest
 
 from actors.config import Config
+from actors.ports import free_port
 from api.limits import MAX_BODY_BYTES
 from api.protocol import MAX_PROMPTS, MAX_TEXT_CHARS
-from tests.api.conftest import deployed, free_port
+from tests.api.conftest import deployed
 from tests.api.test_server import wait_blocks_free
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"

@@ -11,8 +11,9 @@ import pytest
 import ray
 
 from actors.config import Config
+from actors.ports import free_port
 from serve.engines import NAMESPACE
-from tests.api.conftest import deployed, free_port
+from tests.api.conftest import deployed
 
 PROMPT = "t3 t14 t15 t92 t65 t35"
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -27,8 +27,8 @@ from schemathesis.generation import GenerationMode
 
 from actors.config import Config
 from actors.local_engine import build_local_engine
+from actors.ports import free_port
 from api import Engine, RoundRobinRouter, create_app
-from tests.api.conftest import free_port
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
 EXAMPLES = 120  # both routes, positive and negative

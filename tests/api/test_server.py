@@ -18,7 +18,8 @@ from actors.client import EngineCalls, EngineClient
 from actors.config import Config
 from actors.local_engine import build_local_engine
 from actors.messages import SamplingParams
-from tests.api.conftest import deployed, free_port
+from actors.ports import free_port
+from tests.api.conftest import deployed
 
 KEY = "sk-test"
 MODEL = "tiny"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from actors.ports import free_ports
 
 RAY = str(Path(sys.executable).with_name("ray"))
 STOP_TIMEOUT_S = 40
@@ -42,17 +43,6 @@ class RayNode:
     @property
     def dashboard_port(self) -> int:
         return self.ports["dashboard-port"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 _PORTS = (

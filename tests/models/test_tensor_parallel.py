@@ -8,7 +8,6 @@ replicate what they cannot split.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from actors.ports import free_port
 from actors.reference import greedy_generate
 from kv.cache_buffers import allocate_caches
 from kv.cache_layout import plan_layout
@@ -39,12 +39,6 @@ CASES = {
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5-1kv": ("qwen3_5", {"num_key_value_heads": 1, "linear_num_key_heads": 1}),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @torch.inference_mode()
@@ -78,7 +72,7 @@ def test_tp2_equals_tp1(case, tmp_path):
     kind, overrides = CASES[case]
     save_hf_model(kind, tmp_path, **overrides)
     want = _outputs(load_model(tmp_path, dtype=torch.float32).model)
-    mp.spawn(_rank_main, args=(str(tmp_path), _free_port(), str(tmp_path)), nprocs=TP, join=True)
+    mp.spawn(_rank_main, args=(str(tmp_path), free_port(), str(tmp_path)), nprocs=TP, join=True)
     for rank in range(TP):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert (got["paged"] - want["paged"]).abs().max().item() < 1e-4
