@@ -19,6 +19,7 @@ from actors.cpu_affinity import keep_off
 from actors.messages import EngineStats, OutputBatch, SamplingParams
 from actors.ports import free_port
 from actors.startup import freeze_startup_objects
+from actors.step_channel import StepChannel
 from actors.worker_actor import RemoteWorker
 from kv.lease import LeaseRenewer
 from kv.nixl_peers import PeerInfo
@@ -61,7 +62,9 @@ class EngineActor:
         if any((lay.num_blocks, lay.block_size) != (layouts[0].num_blocks, layouts[0].block_size) for lay in layouts):
             raise RuntimeError(f"the ranks of {engine_id} planned different caches: {layouts}")
         disagg = disagg_config(self.config, role, engine_id, agent_name)
-        self.core = make_engine(self.config, layouts[0], [w.execute_model.remote for w in self.workers], disagg)
+        self._channels = _step_channels(self.workers)
+        executors = [ch or w.execute_model.remote for ch, w in zip(self._channels, self.workers, strict=True)]
+        self.core = make_engine(self.config, layouts[0], executors, disagg)
         self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
         self._renewer: asyncio.Task[None] | None = None
         freeze_startup_objects()
@@ -142,7 +145,16 @@ class EngineActor:
         if self._renewer is not None:
             self._renewer.cancel()
         await self.core.close()
+        await asyncio.gather(*(ch.close() for ch in self._channels if ch is not None))
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
+
+
+def _step_channels(workers: list[Any]) -> list[StepChannel | None]:
+    """A step channel to each worker on this node; None for one Ray placed elsewhere, which is
+    sent its steps by actor calls (actors/step_channel.py)."""
+    here = ray.get_runtime_context().get_node_id()
+    opened = ray.get([w.open_step_channel.remote() for w in workers])
+    return [StepChannel(address) if node == here else None for node, address in opened]
 
 
 # Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU

@@ -18,6 +18,7 @@ import ray
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.startup import freeze_startup_objects
+from actors.step_channel import StepServer
 from actors.worker_config import WorkerConfig
 from kv.cache_layout import CacheLayout
 from kv.nixl_peers import PeerInfo
@@ -49,12 +50,21 @@ class WorkerActor:
         self._next_step = 0
         self._step_wait_s = step_wait_s
         self._turn = asyncio.Condition()
+        self._steps = StepServer(self._worker.execute_model, self._worker.with_finished_transfers)
+        self._steps_address = ""
 
     def ready(self) -> bool:
         return True
 
     def layout(self) -> CacheLayout:
         return self._worker.layout
+
+    async def open_step_channel(self) -> tuple[str, str]:
+        """This worker's node and the address of its step channel (actors/step_channel.py),
+        which an engine on the same node sends steps to instead of calling `execute_model`."""
+        if not self._steps_address:
+            self._steps_address = await self._steps.listen()
+        return ray.get_runtime_context().get_node_id(), self._steps_address
 
     async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.step_id < self._next_step:
@@ -111,6 +121,7 @@ class WorkerActor:
         self._worker.inject_faults(num_steps)
 
     def shutdown(self) -> None:
+        self._steps.close()
         self._worker.close()
 
 

@@ -9,10 +9,12 @@ import os
 import pytest
 import ray
 
-from actors.client import ActorSlot, EngineCalls, EngineClient
+from actors.build import make_engine, worker_config
+from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
 from actors.config import Config
 from actors.engine_actor import RemoteEngine
-from actors.messages import EngineStats
+from actors.messages import EngineStats, SamplingParams
+from actors.worker_actor import RemoteWorker
 from tests.actors.test_engine import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.ray_session import stop_actors
@@ -35,6 +37,10 @@ def serve_remote(cfg: Config, reqs: list[tuple[list[int], int]]) -> tuple[list[l
         return got
 
     try:
+        # Its workers are on this node, so every rank is sent its steps over a step channel.
+        assert ray.get(engine.__ray_call__.remote(lambda e: [ch is not None for ch in e._channels])) == [True] * (
+            cfg.tensor_parallel_size or 1
+        )
         return asyncio.run(main()), ray.get(engine.wait_idle.remote())
     finally:
         stop_actors(engine)
@@ -48,6 +54,56 @@ def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
     got, stats = serve_remote(cfg, reqs)
     assert got == alone(str(tmp_path), reqs)
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_steps_by_actor_calls_equal_alone(ray_cluster, tmp_path):
+    """The path for a worker Ray placed on another node than its engine: every step an
+    `execute_model` actor call, two in flight, which the worker actor keeps in order."""
+    save_hf_model("nemotron_h", tmp_path)
+    cfg = config(tmp_path, max_num_seqs=32, max_num_batched_tokens=128, async_scheduling=True)
+    reqs = workload(24, seed=4)
+    worker = RemoteWorker.remote(worker_config(cfg), num_threads=1)
+
+    async def main():
+        core = make_engine(cfg, await worker.layout.remote(), [worker.execute_model.remote])
+        client = EngineClient(EngineCalls.local(core))
+        got = await serve_all(client, reqs)
+        await core.wait_idle()
+        core.scheduler.kv.check_integrity()
+        await client.close()
+        await core.close()
+        return got, core.num_steps
+
+    try:
+        got, steps = asyncio.run(main())
+    finally:
+        stop_actors(worker)
+    assert got == alone(str(tmp_path), reqs)
+    assert steps > 0
+
+
+def test_a_worker_that_dies_fails_its_engines_requests_at_once(ray_cluster, tmp_path):
+    """The engine hears of it from the step channel closing: its requests end with the engine's
+    failure, which the ingress resumes elsewhere, instead of waiting for a step that never ends."""
+    save_hf_model("nemotron_h", tmp_path)
+    engine = RemoteEngine.remote(config(tmp_path, max_num_seqs=4).to_dict())
+    ray.get(engine.ready.remote())
+    (worker,) = ray.get(engine.__ray_call__.remote(lambda e: e.workers))
+
+    async def main():
+        client = EngineClient(EngineCalls.remote(ActorSlot(engine)))
+        outs = []
+        with pytest.raises(EngineLostError, match="WorkerLostError"):
+            async for out in client.generate([5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True)):
+                outs.append(out)
+                if len(outs) == 3:
+                    ray.kill(worker)
+        await client.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        ray.kill(engine)  # its shutdown would fail on the dead worker
 
 
 @pytest.mark.parametrize(
