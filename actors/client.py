@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from actors.messages import (
@@ -25,6 +27,7 @@ from actors.messages import (
     RequestOutput,
     SamplingParams,
 )
+from actors.output_channel import OutputFeed
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +49,18 @@ def engine_lost(error: BaseException) -> bool:
     )
 
 
+async def _nothing_to_close() -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCalls:
-    """How to reach an engine: three coroutines, local or remote."""
+    """How to reach an engine: three coroutines, local or remote, and what to close after."""
 
     add_request: Callable[..., Awaitable[None]]
     abort: Callable[[str], Awaitable[None]]
     get_outputs: Callable[[float], Awaitable[list[OutputBatch]]]
+    close: Callable[[], Awaitable[None]] = _nothing_to_close
 
     @classmethod
     def local(cls, core: Any) -> EngineCalls:
@@ -74,10 +82,41 @@ class EngineCalls:
         async def abort(req_id: str) -> None:
             await _unowned(slot.handle.abort.remote, req_id)
 
-        async def get(timeout: float) -> list[OutputBatch]:
-            return await _unowned(slot.handle.get_outputs.remote, timeout)
+        outputs = RemoteOutputs(slot)
+        return cls(add, abort, outputs.get, outputs.close)
 
-        return cls(add, abort, get)
+
+class RemoteOutputs:
+    """`get_outputs` of whichever engine actor a slot holds: read from the engine's output
+    channel when it is on this node (actors/output_channel.py), by Ray calls when not. A new
+    handle in the slot (a replaced engine) is asked for its channel at the next call."""
+
+    def __init__(self, slot: ActorSlot) -> None:
+        self._slot = slot
+        self._handle: Any = None
+        self._feed: OutputFeed | None = None
+
+    async def get(self, timeout: float) -> list[OutputBatch]:
+        handle = self._slot.handle
+        if handle is not self._handle:
+            await self.close()
+            node, address, pid = await _unowned(handle.open_output_channel.remote, os.getpid())
+            here = ray.get_runtime_context().get_node_id()
+            self._feed = OutputFeed(address, pid) if node == here else None
+            self._handle = handle
+        if self._feed is None:
+            return await _unowned(handle.get_outputs.remote, timeout)
+        try:
+            return await self._feed.get(timeout)
+        except ConnectionError:
+            self._handle = None  # the next call asks whatever engine the slot then holds
+            raise
+
+    async def close(self) -> None:
+        if self._feed is not None:
+            await self._feed.close()
+        self._feed = None
+        self._handle = None
 
 
 def _unowned(submit: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -182,3 +221,4 @@ class EngineClient:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
+        await self.calls.close()

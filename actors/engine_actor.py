@@ -7,6 +7,7 @@ collect outputs in batches (one round trip per step for all requests, not one pe
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from typing import Any
 
@@ -17,6 +18,7 @@ from actors.build import Role, check_tp, disagg_config, make_engine, worker_conf
 from actors.config import Config
 from actors.cpu_affinity import keep_off
 from actors.messages import EngineStats, OutputBatch, SamplingParams
+from actors.output_channel import OutputServer
 from actors.ports import free_port
 from actors.startup import freeze_startup_objects
 from actors.step_channel import StepChannel
@@ -65,6 +67,7 @@ class EngineActor:
         self._channels = _step_channels(self.workers)
         executors = [ch or w.execute_model.remote for ch, w in zip(self._channels, self.workers, strict=True)]
         self.core = make_engine(self.config, layouts[0], executors, disagg)
+        self._outputs = OutputServer(lambda: self.core.get_outputs(None))
         self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
         self._renewer: asyncio.Task[None] | None = None
         freeze_startup_objects()
@@ -123,6 +126,13 @@ class EngineActor:
     async def get_outputs(self, timeout: float) -> list[OutputBatch]:
         return await self.core.get_outputs(timeout)
 
+    async def open_output_channel(self, client_pid: int) -> tuple[str, str, int]:
+        """This engine's node, the address it pushes its outputs to and its pid: a client on the
+        same node, process `client_pid`, reads them there instead of calling `get_outputs`
+        (actors/output_channel.py)."""
+        address = await self._outputs.open_for(client_pid)
+        return ray.get_runtime_context().get_node_id(), address, os.getpid()
+
     async def inject_worker_faults(self, num_steps: int) -> None:
         """Tests only (over Ray, never HTTP): the workers' next `num_steps` forwards fail."""
         await asyncio.gather(*(w.inject_faults.remote(num_steps) for w in self.workers))
@@ -144,6 +154,7 @@ class EngineActor:
     async def shutdown(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
+        await self._outputs.close()
         await self.core.close()
         await asyncio.gather(*(ch.close() for ch in self._channels if ch is not None))
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))
@@ -153,8 +164,8 @@ def _step_channels(workers: list[Any]) -> list[StepChannel | None]:
     """A step channel to each worker on this node; None for one Ray placed elsewhere, which is
     sent its steps by actor calls (actors/step_channel.py)."""
     here = ray.get_runtime_context().get_node_id()
-    opened = ray.get([w.open_step_channel.remote() for w in workers])
-    return [StepChannel(address) if node == here else None for node, address in opened]
+    opened = ray.get([w.open_step_channel.remote(os.getpid()) for w in workers])
+    return [StepChannel(address, pid) if node == here else None for node, address, pid in opened]
 
 
 # Control-plane actor: it schedules, it does not compute, so it takes no CPU slot: Ray's CPU

@@ -6,46 +6,38 @@ token. A Ray actor call between two async actors costs about 1 ms of CPU, half i
 a socket (docs/design.md §15). The engine places its workers on its own node, so the socket is
 the usual path; a worker Ray puts elsewhere is still reached by actor calls.
 
-The worker listens on an abstract socket (no file to clean up; the name is random and only its
-engine is told it). Frames are an 8-byte length and a pickle. The socket is a stream, so steps
-reach the worker in the order the engine sent them and need none of the reordering an actor
-call's arrival order needs (actors/worker_actor.py); the worker's compute stream runs them in
-order, so results come back in that order too. A worker process that dies closes its end, and
+The worker listens on an abstract socket (actors/socket_frames.py). The socket is a stream, so
+steps reach the worker in the order the engine sent them and need none of the reordering an
+actor call's arrival order needs (actors/worker_actor.py); the worker's compute stream runs
+them in order, so results come back in that order too. A worker process that dies closes its end, and
 every step waiting on it fails with `WorkerLostError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import pickle
-import socket
-import struct
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from actors.messages import ModelRunnerOutput, SchedulerOutput
+from actors.socket_frames import (
+    PeerRefusedError,
+    check_peer,
+    close_connection,
+    connected_socket,
+    frame,
+    listening_socket,
+    loads,
+    read_frame,
+)
 
 log = logging.getLogger(__name__)
-
-_LENGTH = struct.Struct("<Q")
 
 
 class WorkerLostError(ConnectionError):
     """The worker's end of the step channel closed: its process died or shut down."""
-
-
-def _frame(obj: object) -> tuple[bytes, bytes]:
-    body = pickle.dumps(obj, protocol=5)
-    return _LENGTH.pack(len(body)), body
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> object:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return pickle.loads(await reader.readexactly(length))
 
 
 class StepServer:
@@ -61,12 +53,13 @@ class StepServer:
         self._submit = submit
         self._finish = finish
         self._server: asyncio.Server | None = None
+        self._engine_pid = 0
 
-    async def listen(self) -> str:
-        """Start listening; the address the engine connects to. Call it on the actor's loop."""
-        address = f"\0raypd-steps-{uuid.uuid4().hex}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(address)
+    async def listen(self, engine_pid: int) -> str:
+        """Start listening for process `engine_pid`; the address it connects to. Call it on the
+        actor's loop."""
+        self._engine_pid = engine_pid
+        sock, address = listening_socket("steps")
         self._server = await asyncio.start_unix_server(self._serve, sock=sock)
         return address
 
@@ -75,12 +68,18 @@ class StepServer:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            check_peer(writer.get_extra_info("socket"), (self._engine_pid,))
+        except PeerRefusedError as e:
+            log.warning("step channel: connection refused: %s", e)
+            writer.close()
+            return
         results: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None] = asyncio.Queue()
         sender = asyncio.get_running_loop().create_task(self._send(results, writer))
         try:
             while True:
                 try:
-                    out = await _read_frame(reader)
+                    out = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the engine closed its end
                 results.put_nowait(self._start(out))
@@ -109,7 +108,7 @@ class StepServer:
                 except Exception as e:
                     log.exception("a step sent over the step channel failed")
                     reply = (False, _picklable(e))
-                writer.writelines(_frame(reply))
+                writer.writelines(frame(reply))
                 await writer.drain()
         except ConnectionError:
             pass  # the engine is gone; nothing is left to answer
@@ -118,8 +117,9 @@ class StepServer:
 
 
 def _picklable(e: Exception) -> Exception:
+    """`e`, or a RuntimeError naming it where the engine's end could not read it back."""
     try:
-        pickle.loads(pickle.dumps(e, protocol=5))
+        loads(frame(e)[1])
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}")
     return e
@@ -132,9 +132,9 @@ class StepChannel:
     step to every worker before it awaits any; the connection is made on the loop at the first
     call, and steps sent before it is up wait in order."""
 
-    def __init__(self, address: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(address)  # fails here, at the engine's start, if the worker is not listening
+    def __init__(self, address: str, worker_pid: int) -> None:
+        # Fails here, at the engine's start, if the worker is not listening there.
+        self._sock = connected_socket(address, worker_pid)
         self._writer: asyncio.StreamWriter | None = None
         self._unsent: list[tuple[bytes, bytes]] = []
         self._waiting: deque[asyncio.Future[ModelRunnerOutput]] = deque()
@@ -149,33 +149,26 @@ class StepChannel:
             return result
         self._waiting.append(result)
         if self._writer is not None:
-            self._writer.writelines(_frame(out))
+            self._writer.writelines(frame(out))
         else:
-            self._unsent.append(_frame(out))
+            self._unsent.append(frame(out))
             if self._reader_task is None:
                 self._reader_task = loop.create_task(self._run())
         return result
 
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader_task
-        if self._writer is not None:
-            self._writer.close()
-        else:
-            self._sock.close()
+        await close_connection(self._reader_task, self._writer, self._sock)
         self._fail(WorkerLostError("the step channel was closed"))
 
     async def _run(self) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(sock=self._sock)
-            for frame in self._unsent:
-                writer.writelines(frame)
+            for unsent in self._unsent:
+                writer.writelines(unsent)
             self._unsent.clear()
             self._writer = writer
             while True:
-                reply = await _read_frame(reader)
+                reply = await read_frame(reader)
                 result = self._waiting.popleft()
                 if result.done():
                     continue  # the engine stopped waiting (its loop was cancelled)

@@ -12,6 +12,7 @@ every step to every worker.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING
 
 import ray
@@ -59,12 +60,13 @@ class WorkerActor:
     def layout(self) -> CacheLayout:
         return self._worker.layout
 
-    async def open_step_channel(self) -> tuple[str, str]:
-        """This worker's node and the address of its step channel (actors/step_channel.py),
-        which an engine on the same node sends steps to instead of calling `execute_model`."""
+    async def open_step_channel(self, engine_pid: int) -> tuple[str, str, int]:
+        """This worker's node, the address of its step channel (actors/step_channel.py) and the
+        pid listening there: an engine on the same node, process `engine_pid`, sends its steps
+        there instead of calling `execute_model`."""
         if not self._steps_address:
-            self._steps_address = await self._steps.listen()
-        return ray.get_runtime_context().get_node_id(), self._steps_address
+            self._steps_address = await self._steps.listen(engine_pid)
+        return ray.get_runtime_context().get_node_id(), self._steps_address, os.getpid()
 
     async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.step_id < self._next_step:

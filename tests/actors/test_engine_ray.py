@@ -4,6 +4,7 @@ ones over gloo: same outputs as in-process, every block back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -25,14 +26,22 @@ def config(path, **kw) -> Config:
     return Config(model=str(path), **(base | kw))
 
 
-def serve_remote(cfg: Config, reqs: list[tuple[list[int], int]]) -> tuple[list[list[int]], EngineStats]:
-    """Every request's tokens from a `RemoteEngine`, and its stats once idle."""
+def serve_remote(
+    cfg: Config, reqs: list[tuple[list[int], int]], output_channel: bool = True
+) -> tuple[list[list[int]], EngineStats]:
+    """Every request's tokens from a `RemoteEngine`, and its stats once idle; the outputs read
+    from its output channel, or polled by `get_outputs` calls."""
     engine = RemoteEngine.remote(cfg.to_dict())
     ray.get(engine.ready.remote())
 
     async def main():
-        client = EngineClient(EngineCalls.remote(ActorSlot(engine)))
+        calls = EngineCalls.remote(ActorSlot(engine))
+        if not output_channel:  # as a client on another node does
+            calls = dataclasses.replace(calls, get_outputs=lambda timeout: engine.get_outputs.remote(timeout))
+        client = EngineClient(calls)
         got = await serve_all(client, reqs)
+        if output_channel:  # this process is on the engine's node: they came over the socket
+            assert calls.get_outputs.__self__._feed is not None
         await client.close()
         return got
 
@@ -46,12 +55,14 @@ def serve_remote(cfg: Config, reqs: list[tuple[list[int], int]]) -> tuple[list[l
         stop_actors(engine)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling):
+@pytest.mark.parametrize(
+    "async_scheduling, output_channel", [(True, True), (False, True), (True, False)], ids=["async", "sync", "polled"]
+)
+def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling, output_channel):
     save_hf_model("nemotron_h", tmp_path)
     cfg = config(tmp_path, max_num_seqs=32, max_num_batched_tokens=128, async_scheduling=async_scheduling)
     reqs = workload(32, seed=3)
-    got, stats = serve_remote(cfg, reqs)
+    got, stats = serve_remote(cfg, reqs, output_channel)
     assert got == alone(str(tmp_path), reqs)
     assert stats.num_blocks_free == stats.num_blocks_total
 

@@ -50,7 +50,7 @@ class OneThreadWorker:
 
 async def connected(worker: OneThreadWorker) -> tuple[StepServer, StepChannel]:
     server = StepServer(worker.submit, worker.finish)
-    return server, StepChannel(await server.listen())
+    return server, StepChannel(await server.listen(os.getpid()), os.getpid())
 
 
 def test_steps_sent_back_to_back_come_back_in_order():
@@ -85,13 +85,13 @@ def test_a_step_the_worker_refuses_fails_alone():
     assert (first.step_id, after.step_id) == (0, 1)
 
 
-def serve_in_this_process(conn: Connection) -> None:
+def serve_in_this_process(conn: Connection, engine_pid: int) -> None:
     """A worker end in a process of its own, whose steps take a long time."""
 
     async def main() -> None:
         worker = OneThreadWorker(delay_s=30.0)
         server = StepServer(worker.submit, worker.finish)
-        conn.send(await server.listen())
+        conn.send(await server.listen(engine_pid))
         await asyncio.sleep(60)
 
     asyncio.run(main())
@@ -99,14 +99,16 @@ def serve_in_this_process(conn: Connection) -> None:
 
 def test_a_worker_process_that_dies_fails_the_steps_waiting_and_later_ones():
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    proc = multiprocessing.get_context("spawn").Process(target=serve_in_this_process, args=(child,), daemon=True)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=serve_in_this_process, args=(child, os.getpid()), daemon=True
+    )
     proc.start()
     try:
         assert parent.poll(60), "the worker process did not listen"
         address = parent.recv()
 
         async def main():
-            channel = StepChannel(address)
+            channel = StepChannel(address, proc.pid)
             waiting = channel(step(0))
             await asyncio.sleep(0.2)  # the worker has the step
             os.kill(proc.pid, signal.SIGKILL)
@@ -124,4 +126,4 @@ def test_a_worker_process_that_dies_fails_the_steps_waiting_and_later_ones():
 
 def test_connecting_to_no_worker_fails_at_once():
     with pytest.raises(ConnectionRefusedError):
-        StepChannel("\0raypd-steps-nobody-listens")
+        StepChannel("\0raypd-steps-nobody-listens", os.getpid())
