@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+REPO = Path(__file__).resolve().parent.parent
 _READY_TIMEOUT_S = 600.0  # vLLM CPU compiles the model with inductor on its first start
 
 
@@ -87,9 +88,11 @@ def vllm_command(python: Path, model: Path, name: str, port: int, max_num_seqs: 
 
 
 @contextmanager
-def running(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
-    """Start `cmd`, wait until it answers `GET /v1/models`, yield its base URL, then stop
-    its whole process group (SIGTERM, then SIGKILL after 30 s)."""
+def running(cmd: list[str], env: dict[str, str], port: int, log: Path, cwd: Path = REPO) -> Iterator[str]:
+    """Start `cmd` in `cwd`, wait until it answers `GET /v1/models`, yield its base URL, then
+    stop its whole process group (SIGTERM, then SIGKILL after 30 s). `python -m serve` started
+    in another checkout serves that checkout's code: Ray puts the driver's directory first on
+    its workers' path."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -98,7 +101,7 @@ def running(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterat
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=cwd,
         )
         try:
             _wait_ready(proc, url, log)
