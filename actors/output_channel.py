@@ -94,6 +94,8 @@ class OutputServer:
                 await writer.drain()
         except ConnectionError:
             pass
+        except Exception:  # the client sees the socket close and fails its requests over
+            log.exception("output channel: pushing failed")
         finally:
             writer.close()
 

@@ -82,6 +82,9 @@ class StepServer:
                     out = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the engine closed its end
+                except Exception:  # unreadable: the stream cannot be trusted past it
+                    log.exception("step channel: bad step frame")
+                    return
                 results.put_nowait(self._start(out))
         finally:
             results.put_nowait(None)
@@ -181,6 +184,11 @@ class StepChannel:
                         result.set_exception(TypeError(f"a step channel reply of {type(reply).__name__}"))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             self._fail(WorkerLostError(f"the worker closed its step channel: its process ended ({e!r})"))
+        except Exception as e:  # a reply this end cannot read, or one nobody waits for
+            log.exception("step channel: bad reply")
+            self._fail(WorkerLostError(f"the worker's step channel broke: {e!r}"))
+            if self._writer is not None:
+                self._writer.close()
 
     def _fail(self, error: WorkerLostError) -> None:
         self._lost = self._lost or error

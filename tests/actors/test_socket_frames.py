@@ -22,7 +22,7 @@ from actors.messages import (
     SchedulerOutput,
 )
 from actors.output_channel import OutputFeed, OutputServer
-from actors.socket_frames import PeerRefusedError, connected_socket, frame, loads
+from actors.socket_frames import PeerRefusedError, connected_socket, frame, listening_socket, loads, read_frame
 from actors.step_channel import StepChannel, StepServer, WorkerLostError
 from kv.nixl_scheduler import ConnectorMetadata, LoadSpec
 from kv.transfer_params import KVTransferParams
@@ -107,5 +107,24 @@ def test_an_output_server_pushes_nothing_to_a_process_it_was_not_opened_for():
         assert not server.serving
         await feed.close()
         await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reply_the_engine_cannot_read_fails_the_step_instead_of_hanging():
+    async def main():
+        async def answer_badly(reader, writer):
+            await read_frame(reader)
+            writer.writelines(frame(Payload(os.system, "true")))
+
+        sock, address = listening_socket("steps")
+        server = await asyncio.start_unix_server(answer_badly, sock=sock)
+        channel = StepChannel(address, os.getpid())
+        with pytest.raises(WorkerLostError, match=r"step channel broke.*may not name"):
+            await asyncio.wait_for(channel(SchedulerOutput(0, [], [], {}, [], None)), 5)
+        with pytest.raises(WorkerLostError):
+            await channel(SchedulerOutput(1, [], [], {}, [], None))
+        await channel.close()
+        server.close()
 
     asyncio.run(main())
