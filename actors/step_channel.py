@@ -54,14 +54,16 @@ class StepServer:
         self._finish = finish
         self._server: asyncio.Server | None = None
         self._engine_pid = 0
+        self._address = ""
 
     async def listen(self, engine_pid: int) -> str:
-        """Start listening for process `engine_pid`; the address it connects to. Call it on the
-        actor's loop."""
-        self._engine_pid = engine_pid
-        sock, address = listening_socket("steps")
-        self._server = await asyncio.start_unix_server(self._serve, sock=sock)
-        return address
+        """The address process `engine_pid` connects to, listening from the first call. Call it
+        on the actor's loop."""
+        if not self._address:
+            self._engine_pid = engine_pid
+            sock, self._address = listening_socket("steps")
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+        return self._address
 
     def close(self) -> None:
         if self._server is not None:

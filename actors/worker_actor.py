@@ -52,7 +52,6 @@ class WorkerActor:
         self._step_wait_s = step_wait_s
         self._turn = asyncio.Condition()
         self._steps = StepServer(self._worker.execute_model, self._worker.with_finished_transfers)
-        self._steps_address = ""
 
     def ready(self) -> bool:
         return True
@@ -64,9 +63,8 @@ class WorkerActor:
         """This worker's node, the address of its step channel (actors/step_channel.py) and the
         pid listening there: an engine on the same node, process `engine_pid`, sends its steps
         there instead of calling `execute_model`."""
-        if not self._steps_address:
-            self._steps_address = await self._steps.listen(engine_pid)
-        return ray.get_runtime_context().get_node_id(), self._steps_address, os.getpid()
+        address = await self._steps.listen(engine_pid)
+        return ray.get_runtime_context().get_node_id(), address, os.getpid()
 
     async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.step_id < self._next_step:

@@ -40,9 +40,8 @@ from pathlib import Path
 from actors.ports import free_port
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
-from bench.peer_servers import raypd_command, running, vllm_command, vllm_env
+from bench.peer_servers import REPO, raypd_command, running, vllm_command, vllm_env
 
-REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 32)
 _OFFLINE_TIMEOUT_S = 900.0
 # Busy cores below which the machine counts as quiet: both engines idle take ~0.25 (Ray's
