@@ -66,7 +66,7 @@ class Config:
     dtype: Dtype = _f("auto", "weight and activation dtype; auto = the checkpoint's (fp32 on CPU)")
     kv_cache_dtype: Dtype = _f("auto", "KV cache dtype; auto = the model's dtype")
     device: Device = _f("auto", "auto = cuda if available, else cpu")
-    cpu_kernels: bool = _f(True, "on a CPU, the C++ decode kernels (docs/design.md §13); off: the torch path")
+    cpu_kernels: bool = _f(True, "on a CPU, the C++ kernels (docs/design.md §13); off: the torch path")
     block_size: int | None = _f(None, "tokens per KV block; default: chosen for the model", lo=1)
     num_kv_blocks: int | None = _f(None, "KV blocks per engine; default: from kv_cache_memory", lo=1)
     kv_cache_memory: int = _f(256 * MiB, "KV cache bytes per engine: 1000000, 512MiB, 1GiB", lo=1, size=True)

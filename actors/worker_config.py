@@ -19,7 +19,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"
     device: str = "cpu"  # or "auto": cuda where the worker runs has one, else cpu
     cpus: tuple[int, ...] = ()  # the CPUs the compute thread is bound to; none: not bound
-    cpu_kernels: bool = True  # the C++ decode kernels on a CPU (models/cpu_kernels.py)
+    cpu_kernels: bool = True  # the C++ kernels on a CPU (models/cpu_kernels.py)
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None

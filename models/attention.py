@@ -167,9 +167,13 @@ def _attend_chunks(
     max_query_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """Chunks of several queries, padded to the longest. q: [N, H, D]. Returns [N, H, D]."""
+    """Chunks of several queries, padded to the longest. q: [N, H, D]. Returns [N, H, D].
+
+    SDPA with a boolean causal mask, as on decode steps: masked slots get probability 0 and
+    their values still enter the product. It tiles the product instead of building the
+    [R, H, Q, S] scores and probabilities (two einsums, a mask and a softmax were 4x slower on
+    a prefill of 16 prompts)."""
     heads, head_dim = q.shape[1:]
-    kv_heads = k_cache.shape[2]
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)
     values = _gather(v_cache, table, padding)
@@ -177,15 +181,16 @@ def _attend_chunks(
     qp[token_req, token_local] = q
     qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
     qpos[token_req, token_local] = positions
-    qp = qp.view(reqs, max_query_len, kv_heads, heads // kv_heads, head_dim)
-
-    scores = torch.einsum("rqkgd,rskd->rkgqs", qp, keys.to(q.dtype)).float() * scale
-    kpos = torch.arange(keys.shape[1], device=q.device)
-    causal = kpos[None, None, :] <= qpos[:, :, None]  # [R, Q, S]
-    scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    out = torch.einsum("rkgqs,rskd->rqkgd", probs, values.to(q.dtype))
-    return out.reshape(reqs, max_query_len, heads, head_dim)[token_req, token_local]
+    causal = torch.arange(keys.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None]  # [R, Q, S]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),
+        _as(keys, q.dtype).transpose(1, 2),
+        _as(values, q.dtype).transpose(1, 2),
+        attn_mask=causal[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)[token_req, token_local]
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -67,6 +67,9 @@ class ForwardBatch:
     # the others (prefill chunks, run one by one): found once here, read by every state layer.
     decode_reqs: tuple[int, ...]
     chunk_reqs: tuple[int, ...]
+    # The state kernels' view of the same: each request's first flat token (and the end), and
+    # whether it starts from an empty state (cpu_kernels.Spans).
+    state_spans: tuple[torch.Tensor, torch.Tensor]
 
     @property
     def num_reqs(self) -> int:
@@ -126,6 +129,7 @@ def build_forward_batch(
         mamba_slots=mamba,
         decode_reqs=tuple(r for r, d in enumerate(is_decode) if d),
         chunk_reqs=tuple(r for r, d in enumerate(is_decode) if not d),
+        state_spans=(tensor(starts), torch.tensor([c == 0 for c in computed], dtype=torch.bool, device=device)),
     )
 
 

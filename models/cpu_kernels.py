@@ -1,9 +1,10 @@
-"""The C++ decode kernels (models/csrc/cpu_kernels.cpp), built on first use.
+"""The C++ CPU kernels (models/csrc/cpu_kernels.cpp), built on first use.
 
 On a CPU a decode step's attention gathered every request's K/V pages into one tensor and
-then read the copy again, and the Mamba2 state update ran three ops per request. The kernels
-(paged decode attention, K/V writes, the decode convolution and recurrence, RMS norm) read
-pages and states where they lie, in one call each (docs/design.md §13). They are compiled
+then read the copy again, and Mamba2 ran a chunked scan of ~25 small ops per prefill chunk.
+The kernels (paged decode attention, K/V writes, Mamba2's convolution and recurrence over a
+step's tokens, RMS norm) read pages and states where they lie, in one call each
+(docs/design.md §13). They are compiled
 once per source into `.venv/torch_extensions` (about a minute; `make setup` does it, so
 engines start with them built). Where no compiler works the engines run the
 torch path, which is also the path on a GPU, and say so once in the log.
@@ -90,12 +91,12 @@ def load() -> ModuleType | None:
             return build(
                 name="raypd_cpu_kernels",
                 sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", *_cpu_flags()],
+                extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp", *_cpu_flags()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(root),
             )
     except (OSError, RuntimeError, ImportError) as exc:
-        log.warning("CPU decode kernels unavailable, running the torch path: %s", exc)
+        log.warning("CPU kernels unavailable, running the torch path: %s", exc)
         return None
 
 
@@ -139,21 +140,29 @@ def paged_decode_attention(
     return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, positions, scale)
 
 
-def causal_conv_step(
+Spans = tuple[torch.Tensor, torch.Tensor]
+"""Which flat tokens each request owns and whether it starts from an empty state:
+(starts int64 [R + 1], fresh bool [R]). Without spans each request has one token and continues
+the state in its slot (a decode step)."""
+
+
+def causal_conv(
     conv_cache: torch.Tensor,
     slots: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    spans: Spans | None = None,
 ) -> torch.Tensor:
-    """The causal depthwise convolution of Mamba2 and Gated DeltaNet for one token of each request, then silu, its
-    state [blocks, C, K - 1] (fp32) advanced in place. x: [R, C] fp32. Returns [R, C]."""
+    """The causal depthwise convolution of Mamba2 and Gated DeltaNet over each request's tokens,
+    then silu, its state [blocks, C, K - 1] (fp32) advanced in place. x: [N, C] fp32. Returns [N, C]."""
     kernels = load()
-    assert kernels is not None, "causal_conv_step called without usable() kernels"
-    return kernels.causal_conv_step(conv_cache, slots, x, weight, bias)
+    assert kernels is not None, "causal_conv called without usable() kernels"
+    starts, fresh = spans if spans is not None else (None, None)
+    return kernels.causal_conv(conv_cache, slots, x, weight, bias, starts, fresh)
 
 
-def mamba_ssm_step(
+def mamba_ssm(
     ssm_cache: torch.Tensor,
     slots: torch.Tensor,
     x: torch.Tensor,
@@ -161,16 +170,29 @@ def mamba_ssm_step(
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
     b: torch.Tensor,
     c: torch.Tensor,
+    spans: Spans | None = None,
 ) -> torch.Tensor:
-    """One token of the Mamba2 recurrence for each request, in its state slot [blocks, H, P, N]
-    (fp32): `step = max(softplus(dt + dt_bias), dt_min)`, `S = exp(step a) S + step x b^T`,
-    `y = S c + D x`. params: (dt_bias, a, D, dt_min); x [R, H, P]; dt [R, H]; b, c [R, G, N],
-    all fp32. Returns y [R, H, P]."""
+    """The Mamba2 recurrence over each request's tokens in turn, in its state slot [blocks, H, P,
+    N] (fp32): `step = max(softplus(dt + dt_bias), dt_min)`, `S = exp(step a) S + step x b^T`,
+    `y = S c + D x`. params: (dt_bias, a, D, dt_min); x [N, H, P]; dt [N, H]; b, c [N, G, N],
+    all fp32. Returns y [N, H, P]."""
     kernels = load()
-    assert kernels is not None, "mamba_ssm_step called without usable() kernels"
+    assert kernels is not None, "mamba_ssm called without usable() kernels"
     dt_bias, a, d, dt_min = params
-    return kernels.mamba_ssm_step(
-        ssm_cache, slots, x.contiguous(), dt.contiguous(), dt_bias, a, d, b.contiguous(), c.contiguous(), dt_min
+    starts, fresh = spans if spans is not None else (None, None)
+    return kernels.mamba_ssm_scan(
+        ssm_cache,
+        slots,
+        x.contiguous(),
+        dt.contiguous(),
+        dt_bias,
+        a,
+        d,
+        b.contiguous(),
+        c.contiguous(),
+        dt_min,
+        starts,
+        fresh,
     )
 
 
@@ -185,5 +207,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 if __name__ == "__main__":
     if load() is None:
-        raise SystemExit("the CPU decode kernels did not build (see the warning above)")
-    print(f"CPU decode kernels built in {_build_dir()}")
+        raise SystemExit("the CPU kernels did not build (see the warning above)")
+    print(f"CPU kernels built in {_build_dir()}")

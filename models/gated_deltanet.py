@@ -246,7 +246,7 @@ class GatedDeltaNet(ProjectionStacks):
         idx = torch.tensor([batch.query_start[r] for r in reqs], device=mixed.device)
         s = slots[torch.tensor(reqs, device=slots.device)]
         if mixed.dtype == torch.float32 and cpu_kernels.usable(conv_cache, mixed):
-            conv_out = cpu_kernels.causal_conv_step(conv_cache, s, mixed[idx], self.conv1d.weight, None)
+            conv_out = cpu_kernels.causal_conv(conv_cache, s, mixed[idx], self.conv1d.weight, None)
         else:
             window = torch.cat([conv_cache[s].to(mixed.dtype), mixed[idx][..., None]], dim=-1)  # [R, C, K]
             conv_cache[s] = window[..., 1:].to(conv_cache.dtype)

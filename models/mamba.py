@@ -4,7 +4,9 @@ A request's recurrent state is a conv state (the last `conv_kernel - 1` inputs o
 causal convolution) and an SSM state `[heads, head_dim, state]`, both fp32, in the page
 its Mamba group allocated. Mamba pages are never zeroed (docs/design.md §1): the first chunk of
 a request starts from zeros *without reading* its slot, and every step overwrites the slot.
-Prefill chunks run the chunked SSD scan per request; decode tokens run one vectorised step.
+On a CPU the C++ kernels run every request of a step, prefill chunk or decode token, as one
+convolution and one recurrence (docs/design.md §13). Elsewhere prefill chunks run the chunked
+SSD scan per request and decode tokens run one vectorised step.
 """
 
 from __future__ import annotations
@@ -160,6 +162,14 @@ class Mamba2Mixer(nn.Module):
         """h: [N, hidden] flat tokens; caches: [num_blocks, ...] state views."""
         gate, xbc, dt = self._split(h)
         a = -torch.exp(self.A_log.float())
+        if xbc.dtype == torch.float32 and cpu_kernels.usable(ssm_cache, xbc):
+            # Every request, prefill chunk or decode token, in one call per kernel.
+            spans = batch.state_spans
+            x, b, c = self._ssm_inputs(
+                cpu_kernels.causal_conv(conv_cache, slots, xbc, self.conv1d.weight, self.conv1d.bias, spans)
+            )
+            params = (self.dt_bias, a, self.D, self.spec.time_step_min)
+            return self._finish(cpu_kernels.mamba_ssm(ssm_cache, slots, x, dt, params, b, c, spans), gate, h.dtype)
         y = h.new_empty((h.shape[0], self.spec.num_heads, self.spec.head_dim), dtype=torch.float)
         decode = batch.decode_reqs
         if decode:
@@ -195,12 +205,6 @@ class Mamba2Mixer(nn.Module):
         else:
             idx = torch.tensor([batch.query_start[r] for r in reqs], device=xbc.device)
             s = slots[torch.tensor(reqs, device=slots.device)]
-        if xbc.dtype == torch.float32 and cpu_kernels.usable(ssm_cache, xbc):
-            out = cpu_kernels.causal_conv_step(conv_cache, s, xbc[idx], self.conv1d.weight, self.conv1d.bias)
-            x, b, c = self._ssm_inputs(out)
-            params = (self.dt_bias, a, self.D, self.spec.time_step_min)
-            y[idx] = cpu_kernels.mamba_ssm_step(ssm_cache, s, x, dt[idx], params, b, c)
-            return
         # index_select / index_copy_ over the page-strided state views: advanced indexing
         # (`conv_cache[s]`, `conv_cache[s] = ...`) took 1.2-2x as long.
         window = torch.cat([conv_cache.index_select(0, s).to(xbc.dtype), xbc[idx][..., None]], dim=-1)  # [R, C, K]
@@ -226,7 +230,7 @@ def ssm_step(
     """One token of the SSM recurrence for each request, updating its state slot:
     `S = decay * S + dx b^T; y = S c`. ssm_cache: [blocks, H, P, N]; slots: [R];
     decay: [R, H]; dx: [R, H, P]; b, c: [R, H, N]. Returns y [R, H, P]. The torch path (a GPU,
-    or a CPU without the C++ kernels, `cpu_kernels.mamba_ssm_step`).
+    or a CPU without the C++ kernels, `cpu_kernels.mamba_ssm`).
 
     y is computed as `c^T S^T` (a row times a matrix): batched matrix-vector products with
     the vector on the right run several times slower on CPU."""

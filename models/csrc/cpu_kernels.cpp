@@ -1,6 +1,6 @@
-// CPU kernels for the decode step (docs/design.md §13): paged attention that reads K/V pages
-// where they lie, Mamba2's convolution and state update that read and write each state once,
-// and RMS norm in one pass.
+// CPU kernels (docs/design.md §13): paged decode attention that reads K/V pages where they lie,
+// Mamba2's convolution and recurrence over every request's tokens of a step, reading and
+// writing each state once, and RMS norm in one pass.
 // Built on first use by models/cpu_kernels.py; every op checks its inputs and raises
 // (a Python exception), never reads out of bounds.
 #include <torch/extension.h>
@@ -20,6 +20,27 @@ inline float dot(const float* q, const T* k, int64_t n) {
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
   return acc;
+}
+
+// exp(x) as a polynomial on a range-reduced argument (Cephes' expf, within 2 ulp of std::exp),
+// written so that a `#pragma omp simd` loop vectorizes it (given -fno-trapping-math, which lets
+// the clamp's compares become selects): libm's expf is one call per element. A NaN stays NaN.
+inline float exp_poly(float x) {
+  x = x < -87.f ? -87.f : x;
+  x = x > 88.f ? 88.f : x;
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;   // x - k ln 2, in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 template <typename T>
@@ -170,35 +191,173 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
-// The Mamba2 recurrence for one token of each request, in the request's state slot: one read
-// and one write of each state. Per (request, head): step = max(softplus(dt + dt_bias), dt_min),
-// S = exp(step * a) * S + (step * x) b^T, y = S c + d * x. b and c are per group of heads
-// (h / (H / G)).
-torch::Tensor mamba_ssm_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+// Which tokens of the flat batch each request owns, and whether it starts from an empty
+// state. Without `starts` each request has one token (a decode step); without `fresh` every
+// request continues the state in its slot.
+struct Spans {
+  std::vector<int64_t> starts;
+  std::vector<bool> fresh;
+};
+
+Spans read_spans(const c10::optional<torch::Tensor>& starts, const c10::optional<torch::Tensor>& fresh, int64_t reqs,
+                 int64_t tokens) {
+  Spans spans;
+  spans.starts.resize(reqs + 1);
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->dim() == 1 && starts->size(0) == reqs + 1 && starts->scalar_type() == torch::kLong &&
+                    starts->is_contiguous(),
+                "starts must be a contiguous int64 [requests + 1]");
+    const int64_t* p = starts->data_ptr<int64_t>();
+    TORCH_CHECK(p[0] == 0 && p[reqs] == tokens, "starts must run from 0 to the number of tokens");
+    for (int64_t r = 0; r <= reqs; ++r) {
+      TORCH_CHECK(r == 0 || p[r] > p[r - 1], "starts must increase: every request has a token");
+      spans.starts[r] = p[r];
+    }
+  } else {
+    TORCH_CHECK(tokens == reqs, "without starts there is one token per request");
+    for (int64_t r = 0; r <= reqs; ++r) spans.starts[r] = r;
+  }
+  spans.fresh.assign(reqs, false);
+  if (fresh.has_value()) {
+    TORCH_CHECK(fresh->dim() == 1 && fresh->size(0) == reqs && fresh->scalar_type() == torch::kBool &&
+                    fresh->is_contiguous(),
+                "fresh must be a contiguous bool [requests]");
+    const bool* f = fresh->data_ptr<bool>();
+    for (int64_t r = 0; r < reqs; ++r) spans.fresh[r] = f[r];
+  }
+  return spans;
+}
+
+void check_slots(const torch::Tensor& slots, int64_t reqs, int64_t blocks) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == reqs && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 [requests]");
+  const int64_t* p = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < reqs; ++r) TORCH_CHECK(p[r] >= 0 && p[r] < blocks, "slot ", p[r], " is outside the cache");
+}
+
+// One token of one head of the Mamba2 recurrence: its decay and step, and where its b, c and x
+// are read and its y written.
+struct SsmToken {
+  float decay, step;
+  const float *b, *c, *x;
+  float* y;
+};
+
+constexpr int64_t kSsmTokens = 4;
+
+// Eight floats as one value (GCC's and clang's vector extension, lowered to whatever vector
+// registers the target has): the scan's running sums stay in registers, where an `omp simd`
+// reduction over four of them kept its partial sums in memory.
+constexpr int64_t kLanes = 8;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+// The halves added as vectors first: lane by lane it took 8 extracts and 7 adds per sum.
+inline float sum(Lanes v) {
+  HalfLanes lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const HalfLanes h = lo + hi;
+  return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+// Advance one head's state [P, N] by `count` (<= kSsmTokens) consecutive tokens. Each state row
+// takes all of them in one pass while it is in registers: a row per token would load and
+// store the state once per token, and those loads, not the flops, bounded the scan.
+template <int64_t M>
+inline void ssm_advance_lanes(float* state, int64_t pdim, int64_t nstate, const SsmToken* tok, float d) {
+  for (int64_t p = 0; p < pdim; ++p) {
+    float* row = state + p * nstate;
+    float dx[M], decay[M];
+    const float *b[M], *c[M];
+    Lanes acc[M];
+#pragma GCC unroll 16
+    for (int64_t m = 0; m < M; ++m) {
+      dx[m] = tok[m].step * tok[m].x[p];
+      decay[m] = tok[m].decay;
+      b[m] = tok[m].b;
+      c[m] = tok[m].c;
+      acc[m] = Lanes{};
+    }
+    for (int64_t n = 0; n < nstate; n += kLanes) {
+      Lanes v = load(row + n);
+#pragma GCC unroll 16
+      for (int64_t m = 0; m < M; ++m) {
+        v = decay[m] * v + dx[m] * load(b[m] + n);
+        acc[m] += v * load(c[m] + n);
+      }
+      store(row + n, v);
+    }
+#pragma GCC unroll 16
+    for (int64_t m = 0; m < M; ++m) tok[m].y[p] = sum(acc[m]) + tok[m].x[p] * d;
+  }
+}
+
+inline void ssm_advance(float* state, int64_t pdim, int64_t nstate, const SsmToken* tok, int64_t count, float d) {
+  if (nstate % kLanes == 0) {
+    if (count == kSsmTokens) {
+      ssm_advance_lanes<kSsmTokens>(state, pdim, nstate, tok, d);
+    } else {
+      for (int64_t i = 0; i < count; ++i) ssm_advance_lanes<1>(state, pdim, nstate, tok + i, d);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const float decay = tok[i].decay, step = tok[i].step;
+    const float *b = tok[i].b, *c = tok[i].c, *x = tok[i].x;
+    for (int64_t p = 0; p < pdim; ++p) {
+      float* row = state + p * nstate;
+      const float dx = step * x[p];
+      float acc = 0.f;
+      for (int64_t n = 0; n < nstate; ++n) {
+        row[n] = decay * row[n] + dx * b[n];
+        acc += row[n] * c[n];
+      }
+      tok[i].y[p] = acc + x[p] * d;
+    }
+  }
+}
+
+// The Mamba2 recurrence over each request's tokens in turn, in the request's state slot: the
+// state stays in cache while its tokens stream past it, and is read and written once. Per
+// (request, head) and token: step = max(softplus(dt + dt_bias), dt_min), S = exp(step * a) * S +
+// (step * x) b^T, y = S c + d * x. b and c are per group of heads (h / (H / G)). A fresh request
+// starts from zeros without reading its slot (docs/design.md §1: Mamba pages are never zeroed).
+// Prefill runs the same recurrence as decode: on a CPU it does as few flops per token as the
+// chunked scan and keeps no [T, T] intermediates.
+torch::Tensor mamba_ssm_scan(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
                              const torch::Tensor& dt, const torch::Tensor& dt_bias, const torch::Tensor& a,
-                             const torch::Tensor& d, const torch::Tensor& b, const torch::Tensor& c, double dt_min) {
+                             const torch::Tensor& d, const torch::Tensor& b, const torch::Tensor& c, double dt_min,
+                             const c10::optional<torch::Tensor>& starts, const c10::optional<torch::Tensor>& fresh) {
   TORCH_CHECK(cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, H, P, N]");
   const int64_t heads = cache.size(1), pdim = cache.size(2), nstate = cache.size(3);
   TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == nstate && cache.stride(1) == pdim * nstate,
               "each state slot must be contiguous");
-  const int64_t reqs = slots.size(0);
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
-              "slots must be a contiguous int64 [requests]");
+  const int64_t reqs = slots.size(0), tokens = x.size(0);
+  check_slots(slots, reqs, cache.size(0));
   for (const auto* t : {&x, &dt, &b, &c})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->size(0) == reqs,
-                "x, dt, b and c must be contiguous float32 with one row per request");
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->size(0) == tokens,
+                "x, dt, b and c must be contiguous float32 with one row per token");
   for (const auto* t : {&dt_bias, &a, &d})
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 1 && t->size(0) == heads,
                 "dt_bias, a and d must be contiguous float32 [H]");
-  TORCH_CHECK(dt.dim() == 2 && dt.size(1) == heads, "dt must be [requests, H]");
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == pdim, "x must be [requests, H, P]");
+  TORCH_CHECK(dt.dim() == 2 && dt.size(1) == heads, "dt must be [tokens, H]");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == pdim, "x must be [tokens, H, P]");
   TORCH_CHECK(b.dim() == 3 && b.sizes() == c.sizes() && b.size(2) == nstate && b.size(1) > 0 && heads % b.size(1) == 0,
-              "b and c must be [requests, G, N] with G dividing H");
+              "b and c must be [tokens, G, N] with G dividing H");
+  const Spans spans = read_spans(starts, fresh, reqs, tokens);
   const int64_t groups = b.size(1), per_group = heads / groups, page = cache.stride(0);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < reqs; ++r)
-    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < cache.size(0), "slot ", slot_ptr[r], " is outside the cache");
   auto y = torch::empty_like(x);
   float* state_ptr = cache.data_ptr<float>();
   const float *x_ptr = x.data_ptr<float>(), *dt_ptr = dt.data_ptr<float>();
@@ -208,41 +367,39 @@ torch::Tensor mamba_ssm_step(torch::Tensor& cache, const torch::Tensor& slots, c
   const float fmin = static_cast<float>(dt_min);
   at::parallel_for(0, reqs * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads, h = task % heads;
-      const float raw = dt_ptr[task] + bias_ptr[h];
-      const float step = std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), fmin);  // F.softplus
-      const float decay = std::exp(step * a_ptr[h]);
+      const int64_t r = task / heads, h = task % heads, g = h / per_group;
       float* state = state_ptr + slot_ptr[r] * page + h * pdim * nstate;
-      const float* bv = b_ptr + (r * groups + h / per_group) * nstate;
-      const float* cv = c_ptr + (r * groups + h / per_group) * nstate;
-      const float* xs = x_ptr + task * pdim;
-      float* out = y_ptr + task * pdim;
-      for (int64_t p = 0; p < pdim; ++p) {
-        float* row = state + p * nstate;
-        const float dx = step * xs[p];
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t n = 0; n < nstate; ++n) {
-          row[n] = decay * row[n] + dx * bv[n];
-          acc += row[n] * cv[n];
+      if (spans.fresh[r]) std::fill(state, state + pdim * nstate, 0.f);
+      SsmToken batch[kSsmTokens];
+      int64_t held = 0;
+      for (int64_t t = spans.starts[r]; t < spans.starts[r + 1]; ++t) {
+        const float raw = dt_ptr[t * heads + h] + bias_ptr[h];
+        const float step = std::max(raw > 20.f ? raw : std::log1p(std::exp(raw)), fmin);  // F.softplus
+        batch[held++] = {std::exp(step * a_ptr[h]), step, b_ptr + (t * groups + g) * nstate,
+                         c_ptr + (t * groups + g) * nstate, x_ptr + (t * heads + h) * pdim,
+                         y_ptr + (t * heads + h) * pdim};
+        if (held == kSsmTokens || t + 1 == spans.starts[r + 1]) {
+          ssm_advance(state, pdim, nstate, batch, held, d_ptr[h]);
+          held = 0;
         }
-        out[p] = acc + xs[p] * d_ptr[h];
       }
     }
   });
   return y;
 }
 
-// The causal depthwise convolution (Mamba2, Gated DeltaNet) for one token of each request:
-// window = [state, x], out = silu(sum_k window[k] * weight[k] + bias), and the state keeps the
-// window's last K - 1.
-torch::Tensor causal_conv_step(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
-                               const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+// The causal depthwise convolution (Mamba2, Gated DeltaNet) over each request's tokens,
+// continuing from the state in its slot (zeros for a fresh request, whose slot is not read):
+// out[t] = silu(sum_k input[t - K + 1 + k] * weight[k] + bias), where inputs before the
+// request's first token come from the state, and the state keeps the last K - 1 inputs.
+torch::Tensor causal_conv(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                          const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& starts, const c10::optional<torch::Tensor>& fresh) {
   TORCH_CHECK(cache.device().is_cpu() && x.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == torch::kFloat, "cache must be float32 [blocks, C, K - 1]");
   const int64_t channels = cache.size(1), keep = cache.size(2), kernel = keep + 1;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) == channels,
-              "x must be float32 [requests, C] with C contiguous");
+              "x must be float32 [tokens, C] with C contiguous");
   TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() && weight.numel() == channels * kernel,
               "weight must be a contiguous float32 [C, 1, K]");
   const float* bias_ptr = nullptr;
@@ -251,32 +408,55 @@ torch::Tensor causal_conv_step(torch::Tensor& cache, const torch::Tensor& slots,
                 "bias must be a contiguous float32 [C]");
     bias_ptr = bias->data_ptr<float>();
   }
-  const int64_t reqs = x.size(0);
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == reqs && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
-              "slots must be a contiguous int64 [requests]");
+  const int64_t reqs = slots.size(0), tokens = x.size(0);
+  check_slots(slots, reqs, cache.size(0));
+  const Spans spans = read_spans(starts, fresh, reqs, tokens);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < reqs; ++r)
-    TORCH_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < cache.size(0), "slot ", slot_ptr[r], " is outside the cache");
-  auto out = torch::empty({reqs, channels}, x.options());
+  auto out = torch::empty({tokens, channels}, x.options());
+  // The taps laid out [K, C]: a token's channels then read each tap contiguously.
+  std::vector<float> taps(kernel * channels);
+  const float* w_ptr = weight.data_ptr<float>();
+  for (int64_t ch = 0; ch < channels; ++ch)
+    for (int64_t k = 0; k < kernel; ++k) taps[k * channels + ch] = w_ptr[ch * kernel + k];
   float* state_ptr = cache.data_ptr<float>();
-  const float *x_ptr = x.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
+  const float* x_ptr = x.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t page = cache.stride(0), cstride = cache.stride(1), kstride = cache.stride(2);
   const int64_t xrow = x.stride(0);
   at::parallel_for(0, reqs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* state = state_ptr + slot_ptr[r] * page;
-      for (int64_t ch = 0; ch < channels; ++ch) {
-        float* st = state + ch * cstride;
-        const float* w = w_ptr + ch * kernel;
-        const float xin = x_ptr[r * xrow + ch];
-        float acc = 0.f;
-        for (int64_t k = 0; k < keep; ++k) acc += st[k * kstride] * w[k];
-        acc += xin * w[keep];
-        if (bias_ptr != nullptr) acc += bias_ptr[ch];
-        for (int64_t k = 0; k + 1 < keep; ++k) st[k * kstride] = st[(k + 1) * kstride];
-        st[(keep - 1) * kstride] = xin;
-        out_ptr[r * channels + ch] = acc / (1.f + std::exp(-acc));  // silu
+      const int64_t lo = spans.starts[r], hi = spans.starts[r + 1];
+      const bool zero = spans.fresh[r];
+      for (int64_t t = lo; t < hi; ++t) {
+        float* acc = out_ptr + t * channels;
+        if (bias_ptr != nullptr)
+          std::copy(bias_ptr, bias_ptr + channels, acc);
+        else
+          std::fill(acc, acc + channels, 0.f);
+        for (int64_t k = 0; k < kernel; ++k) {
+          const int64_t src = t - keep + k;  // the input this tap reads
+          const float* w = taps.data() + k * channels;
+          if (src >= lo) {
+            const float* in = x_ptr + src * xrow;
+#pragma omp simd
+            for (int64_t ch = 0; ch < channels; ++ch) acc[ch] += w[ch] * in[ch];
+          } else if (!zero) {
+            const float* st = state + (keep - (lo - src)) * kstride;
+            for (int64_t ch = 0; ch < channels; ++ch) acc[ch] += w[ch] * st[ch * cstride];
+          }
+        }
+#pragma omp simd
+        for (int64_t ch = 0; ch < channels; ++ch) acc[ch] = acc[ch] / (1.f + exp_poly(-acc[ch]));  // silu
+      }
+      // The state keeps inputs hi - K + 1 .. hi - 1. Slot j takes old slot j + (hi - lo) where
+      // that input came before this request's tokens: a later slot, not yet overwritten.
+      for (int64_t j = 0; j < keep; ++j) {
+        const int64_t src = hi - keep + j;
+        for (int64_t ch = 0; ch < channels; ++ch) {
+          float* st = state + ch * cstride;
+          st[j * kstride] = src >= lo ? x_ptr[src * xrow + ch] : (zero ? 0.f : st[(j + hi - lo) * kstride]);
+        }
       }
     }
   });
@@ -326,7 +506,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("write_kv", &write_kv);
-  m.def("mamba_ssm_step", &mamba_ssm_step);
-  m.def("causal_conv_step", &causal_conv_step);
+  m.def("mamba_ssm_scan", &mamba_ssm_scan);
+  m.def("causal_conv", &causal_conv);
   m.def("rms_norm", &rms_norm);
 }

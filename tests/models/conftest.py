@@ -14,8 +14,8 @@ def hf_model(request, tmp_path_factory):
 
 @pytest.fixture(params=["kernel", "torch"])
 def decode_path(request, monkeypatch):
-    """Run a test on the C++ CPU decode kernels and again on the torch path (the one a GPU
-    takes), so both stay covered on a CPU-only machine."""
+    """Run a test on the C++ CPU kernels and again on the torch path (the one a GPU takes), so
+    both stay covered on a CPU-only machine."""
     from models import cpu_kernels
 
     if request.param == "torch":

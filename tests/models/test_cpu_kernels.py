@@ -1,6 +1,7 @@
-"""The C++ CPU decode kernels against the torch path they replace on a CPU: the same outputs
-and state updates on page-strided cache views, bf16 as well as fp32, and a clear error (not a
-read out of bounds) for a table or slot that points outside the cache."""
+"""The C++ CPU kernels against the torch path they replace on a CPU: the same outputs and state
+updates on page-strided cache views, bf16 as well as fp32, prefill chunks as well as decode
+tokens for the state kernels, and a clear error (not a read out of bounds) for a table, slot
+or span that points outside what it indexes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from models import cpu_kernels
 from models.attention import _attend_decode
 from models.batch import padding_indices
 from models.layers import RMSNorm
-from models.mamba import ssm_step
+from models.mamba import chunk_scan, ssm_step
 
 BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
 
@@ -114,10 +115,12 @@ def _states(heads: int, pdim: int, nstate: int) -> torch.Tensor:
     return page[:, 100:].view(BLOCKS, heads, pdim, nstate)
 
 
-@pytest.mark.parametrize(("heads", "groups"), [(4, 1), (4, 2), (6, 6)])
-def test_mamba_ssm_step_matches_the_torch_path(heads, groups):
+@pytest.mark.parametrize(("heads", "groups", "nstate"), [(4, 1, 16), (4, 2, 16), (6, 6, 16), (4, 2, 12)])
+def test_mamba_ssm_decode_step_matches_the_torch_path(heads, groups, nstate):
+    """One token per request (no spans); a state width that is not a multiple of the vector
+    width takes the scalar loop."""
     torch.manual_seed(heads * 10 + groups)
-    pdim, nstate, reqs, dt_min = 8, 16, 5, 0.01
+    pdim, reqs, dt_min = 8, 5, 0.01
     kernel_cache = _states(heads, pdim, nstate)
     torch_cache = kernel_cache.clone()
     slots = torch.randperm(BLOCKS)[:reqs]
@@ -125,7 +128,7 @@ def test_mamba_ssm_step_matches_the_torch_path(heads, groups):
     dt[0, 0] = 30.0  # softplus's linear branch
     dt_bias, a, d = torch.randn(heads), -torch.rand(heads) * 3, torch.randn(heads)
     b, c = torch.randn(reqs, groups, nstate), torch.randn(reqs, groups, nstate)
-    got = cpu_kernels.mamba_ssm_step(kernel_cache, slots, x, dt, (dt_bias, a, d, dt_min), b, c)
+    got = cpu_kernels.mamba_ssm(kernel_cache, slots, x, dt, (dt_bias, a, d, dt_min), b, c)
     step = torch.nn.functional.softplus(dt + dt_bias).clamp(min=dt_min)
     rep = heads // groups
     y = ssm_step(
@@ -141,7 +144,7 @@ def test_mamba_ssm_step_matches_the_torch_path(heads, groups):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_causal_conv_step_matches_the_torch_convolution(bias):
+def test_causal_conv_decode_step_matches_the_torch_convolution(bias):
     torch.manual_seed(int(bias))
     channels, kernel, reqs = 12, 4, 3
     page = torch.randn(BLOCKS, 7 + channels * (kernel - 1))
@@ -150,7 +153,7 @@ def test_causal_conv_step_matches_the_torch_convolution(bias):
     slots = torch.tensor([5, 0, BLOCKS - 1])
     x = torch.randn(reqs, 2 * channels)[:, :channels]  # rows strided, as a split of in_proj
     weight, b = torch.randn(channels, 1, kernel), (torch.randn(channels) if bias else None)
-    got = cpu_kernels.causal_conv_step(cache, slots, x, weight, b)
+    got = cpu_kernels.causal_conv(cache, slots, x, weight, b)
     window = torch.cat([before[slots], x[..., None]], dim=-1)
     want = torch.nn.functional.conv1d(window, weight, b, groups=channels)[..., 0]
     torch.testing.assert_close(got, torch.nn.functional.silu(want), rtol=1e-5, atol=1e-6)
@@ -160,16 +163,94 @@ def test_causal_conv_step_matches_the_torch_convolution(bias):
     assert torch.equal(cache[others], before[others])
 
 
+# Requests of a mixed step: (tokens, fresh). A fresh prompt longer than a chunk of the scan's
+# token blocks, a continued chunk shorter than the convolution's window, decode tokens, and a
+# fresh one-token prompt.
+SPANS = [(11, True), (2, False), (1, False), (7, False), (1, True), (1, False)]
+
+
+def _spans() -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.tensor([0, *torch.tensor([n for n, _ in SPANS]).cumsum(0).tolist()])
+    return starts, torch.tensor([f for _, f in SPANS])
+
+
+@pytest.mark.parametrize(("heads", "groups", "nstate"), [(4, 2, 16), (6, 3, 12)])
+def test_mamba_ssm_scan_over_mixed_spans_matches_the_chunked_scan(heads, groups, nstate):
+    """Each request's tokens in turn from its slot's state, or from zeros for a fresh one
+    (whose slot holds NaN: it must not be read), against `chunk_scan` per request."""
+    torch.manual_seed(heads + nstate)
+    pdim, dt_min = 8, 0.01
+    starts, fresh = _spans()
+    tokens = int(starts[-1])
+    cache = _states(heads, pdim, nstate)
+    slots = torch.randperm(BLOCKS)[: len(SPANS)]
+    cache[slots[fresh]] = float("nan")
+    before = cache.clone()
+    x, dt = torch.randn(tokens, heads, pdim), torch.randn(tokens, heads) * 2
+    dt_bias, a, d = torch.randn(heads), -torch.rand(heads) * 3, torch.randn(heads)
+    b, c = torch.randn(tokens, groups, nstate), torch.randn(tokens, groups, nstate)
+    got = cpu_kernels.mamba_ssm(cache, slots, x, dt, (dt_bias, a, d, dt_min), b, c, (starts, fresh))
+    step = torch.nn.functional.softplus(dt + dt_bias).clamp(min=dt_min)
+    for r, (lo, hi) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        init = None if fresh[r] else before[slots[r]][None]
+        y, final = chunk_scan(x[None, lo:hi], step[None, lo:hi], a, b[None, lo:hi], c[None, lo:hi], d, 4, init)
+        torch.testing.assert_close(got[lo:hi], y[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cache[slots[r]], final[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv_over_mixed_spans_matches_the_torch_convolution(bias):
+    """Inputs before a request's first token come from its slot (zeros for a fresh request,
+    whose slot holds NaN), and the slot keeps the last K - 1 inputs, some of them old state
+    where the request has fewer new tokens than that."""
+    torch.manual_seed(2 + int(bias))
+    channels, kernel = 12, 4
+    starts, fresh = _spans()
+    tokens = int(starts[-1])
+    page = torch.randn(BLOCKS, 7 + channels * (kernel - 1))
+    cache = page[:, 7:].view(BLOCKS, channels, kernel - 1)
+    slots = torch.randperm(BLOCKS)[: len(SPANS)]
+    cache[slots[fresh]] = float("nan")
+    before = cache.clone()
+    x = torch.randn(tokens, 2 * channels)[:, :channels]
+    weight, b = torch.randn(channels, 1, kernel), (torch.randn(channels) if bias else None)
+    got = cpu_kernels.causal_conv(cache, slots, x, weight, b, (starts, fresh))
+    for r, (lo, hi) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        prev = torch.zeros(channels, kernel - 1) if fresh[r] else before[slots[r]]
+        window = torch.cat([prev, x[lo:hi].T], dim=-1)
+        want = torch.nn.functional.conv1d(window[None], weight, b, groups=channels)[0].T
+        torch.testing.assert_close(got[lo:hi], torch.nn.functional.silu(want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache[slots[r]], window[:, -(kernel - 1) :])
+
+
+def test_spans_that_do_not_cover_the_tokens_are_refused():
+    cache, conv = _states(2, 4, 8), torch.randn(BLOCKS, 6, 3)
+    params = (torch.randn(2), torch.randn(2), torch.randn(2), 0.0)
+    slots, fresh = torch.tensor([0, 1]), torch.tensor([True, False])
+    x, dt, bc = torch.randn(3, 2, 4), torch.randn(3, 2), torch.randn(2, 3, 1, 8)
+    for starts, why in [
+        (torch.tensor([0, 1, 2]), "from 0 to the number of tokens"),
+        (torch.tensor([0, 0, 3]), "must increase"),
+        (torch.tensor([0, 3]), r"int64 \[requests \+ 1\]"),
+    ]:
+        with pytest.raises(RuntimeError, match=why):
+            cpu_kernels.mamba_ssm(cache, slots, x, dt, params, *bc, (starts, fresh))
+        with pytest.raises(RuntimeError, match=why):
+            cpu_kernels.causal_conv(conv, slots, torch.randn(3, 6), torch.randn(6, 1, 4), None, (starts, fresh))
+    with pytest.raises(RuntimeError, match="one token per request"):
+        cpu_kernels.causal_conv(conv, slots, torch.randn(3, 6), torch.randn(6, 1, 4), None)
+
+
 def test_mamba_slots_outside_the_cache_are_refused():
     cache = _states(2, 4, 8)
     params = (torch.randn(2), torch.randn(2), torch.randn(2), 0.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_kernels.mamba_ssm_step(
+        cpu_kernels.mamba_ssm(
             cache, torch.tensor([BLOCKS]), torch.randn(1, 2, 4), torch.randn(1, 2), params, *torch.randn(2, 1, 1, 8)
         )
     conv = torch.randn(BLOCKS, 6, 3)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_kernels.causal_conv_step(conv, torch.tensor([-1]), torch.randn(1, 6), torch.randn(6, 1, 4), None)
+        cpu_kernels.causal_conv(conv, torch.tensor([-1]), torch.randn(1, 6), torch.randn(6, 1, 4), None)
 
 
 @pytest.mark.parametrize("weighted", [True, False])

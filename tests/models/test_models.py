@@ -44,7 +44,7 @@ def test_dense_logits_match_transformers(loaded):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_prefill_logits_match_transformers(loaded, block_size):
+def test_paged_prefill_logits_match_transformers(loaded, decode_path, block_size):
     _, ours, ref = loaded
     cfg = ours.config
     layout = plan_layout(cfg, "float32", block_size, num_blocks=200)
@@ -77,7 +77,7 @@ def test_flat_batch_equals_each_alone(loaded, decode_path, block_size):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
-def test_chunked_prefill_equals_one_shot(loaded, chunk):
+def test_chunked_prefill_equals_one_shot(loaded, decode_path, chunk):
     _, ours, _ = loaded
     one_shot = greedy_generate(ours.model, PROMPTS, 16, None, block_size=4)
     assert greedy_generate(ours.model, PROMPTS, 16, None, block_size=4, prefill_chunk=chunk) == one_shot
