@@ -36,4 +36,6 @@ def huge_page_zeros(rows: int, cols: int) -> torch.Tensor:
     if _MADV_HUGEPAGE is not None and nbytes:
         with contextlib.suppress(OSError):  # a kernel without THP refuses: ordinary pages then
             region.madvise(_MADV_HUGEPAGE, start, nbytes)
-    return raw[start : start + nbytes].view(rows, cols)
+    buf = raw[start : start + nbytes]
+    buf[:: mmap.PAGESIZE].zero_()  # fault every page in now (they read zero already)
+    return buf.view(rows, cols)

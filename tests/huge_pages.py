@@ -17,6 +17,11 @@ def thp_mode() -> str:
 
 def huge_kib_at(pid: int, addr: int) -> int:
     """AnonHugePages of the mapping of process `pid` that holds `addr`."""
+    return smaps_kib_at(pid, addr, "AnonHugePages")
+
+
+def smaps_kib_at(pid: int, addr: int, field: str) -> int:
+    """Field `field` (Rss, AnonHugePages, ...) of the mapping of process `pid` that holds `addr`, in KiB."""
     inside = False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
@@ -24,6 +29,6 @@ def huge_kib_at(pid: int, addr: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
+            elif inside and head == f"{field}:":
                 return int(line.split()[1])
     raise AssertionError(f"no mapping of pid {pid} holds {addr:#x}")
