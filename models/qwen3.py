@@ -6,12 +6,11 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import Linear, ProjectionStacks, RMSNorm, Rotary
+from models.layers import Linear, ProjectionStacks, RMSNorm, Rotary, silu_mul
 from models.pre_norm import PreNormCausalLM
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -84,7 +83,7 @@ class Qwen3MLP(ProjectionStacks):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.project("gate_up_proj", h)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Qwen3Layer(nn.Module):
