@@ -205,6 +205,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """`weight * rms_norm(x * silu(gate))` per group of `group` channels, in one pass over fp32
+    CPU [rows, D] tensors whose rows may be strided."""
+    kernels = load()
+    assert kernels is not None, "gated_rms_norm called without usable() kernels"
+    return kernels.gated_rms_norm(x, gate, weight, group, eps)
+
+
 if __name__ == "__main__":
     if load() is None:
         raise SystemExit("the CPU kernels did not build (see the warning above)")

@@ -173,6 +173,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self._on_kernel(x, gate):
+            return cpu_kernels.gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)
         h = x.float() * F.silu(gate.float())
         if self.group_size <= h.shape[-1]:
             # One op instead of five passes over the hybrid's widest activations, the same
@@ -183,6 +185,16 @@ class GatedRMSNorm(nn.Module):
             mean = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True)) / self.group_size
             normed = g * torch.rsqrt(mean + self.eps)
         return self.weight * normed.view(h.shape).to(dtype)
+
+    def _on_kernel(self, x: torch.Tensor, gate: torch.Tensor) -> bool:
+        """fp32 [rows, D] on a CPU, groups within this rank's D (no all-reduce)."""
+        return (
+            x.dim() == 2
+            and x.shape[-1] % self.group_size == 0
+            and x.dtype == gate.dtype == self.weight.dtype == torch.float32
+            and x.stride(-1) == gate.stride(-1) == 1
+            and cpu_kernels.usable(x, gate, self.weight)
+        )
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

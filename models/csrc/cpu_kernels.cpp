@@ -501,6 +501,44 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
   return out;
 }
 
+// Mamba2's output norm in one pass per row: h = x * silu(gate), then each group of `group`
+// channels RMS-normalised and scaled by its weight. x and gate are [rows, D] with their rows
+// strided (gate is a slice of the input projection); torch took five calls, each a pass over a
+// prefill's [tokens, D] activations.
+torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& weight,
+                             int64_t group, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && gate.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x must be float32 [rows, D]");
+  TORCH_CHECK(gate.sizes() == x.sizes() && gate.scalar_type() == torch::kFloat && gate.stride(1) == 1,
+              "gate must be float32 and shaped as x");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(group > 0 && dim % group == 0, "the group size must divide the row");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous() && weight.numel() == dim,
+              "weight must be a contiguous float32 [D]");
+  auto out = torch::empty({rows, dim}, x.options());
+  const float *x_ptr = x.data_ptr<float>(), *g_ptr = gate.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t xrow = x.stride(0), grow = gate.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float *src = x_ptr + row * xrow, *gv = g_ptr + row * grow;
+      float* dst = out_ptr + row * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) dst[i] = src[i] * (gv[i] / (1.f + exp_poly(-gv[i])));
+      for (int64_t lo = 0; lo < dim; lo += group) {
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = lo; i < lo + group; ++i) squares += dst[i] * dst[i];
+        const float inv = 1.f / std::sqrt(squares / static_cast<float>(group) + feps);
+#pragma omp simd
+        for (int64_t i = lo; i < lo + group; ++i) dst[i] = dst[i] * inv * w[i];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -509,4 +547,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba_ssm_scan", &mamba_ssm_scan);
   m.def("causal_conv", &causal_conv);
   m.def("rms_norm", &rms_norm);
+  m.def("gated_rms_norm", &gated_rms_norm);
 }

@@ -16,7 +16,7 @@ from kv.cache_group import cdiv
 from models import cpu_kernels
 from models.attention import _attend_decode
 from models.batch import padding_indices
-from models.layers import RMSNorm
+from models.layers import GatedRMSNorm, RMSNorm
 from models.mamba import chunk_scan, ssm_step
 
 BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
@@ -268,6 +268,22 @@ def test_rms_norm_matches_torch(make, weighted):
     weight = torch.randn(x.shape[-1]) if weighted else None
     want = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, 1e-6)
     torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dim", "group"), [(24, 24), (24, 8), (40, 5)])
+def test_gated_rms_norm_matches_the_torch_path(dim, group, monkeypatch):
+    """x * silu(gate), normalised per group and weighted: the kernel against the module's torch
+    path, with the gate a strided slice of a wider projection as in Mamba2."""
+    torch.manual_seed(dim + group)
+    norm = GatedRMSNorm(dim, group, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    x, gate = torch.randn(7, dim), torch.randn(7, 3 * dim)[:, dim : 2 * dim]
+    with torch.no_grad():
+        got = norm(x, gate)
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
+        want = norm(x, gate)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_norms_that_need_a_gradient_keep_the_torch_op():
