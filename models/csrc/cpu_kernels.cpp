@@ -14,12 +14,50 @@
 
 namespace {
 
+// Eight floats as one value (GCC's and clang's vector extension, lowered to whatever vector
+// registers the target has): the scan's running sums stay in registers, where an `omp simd`
+// reduction over four of them kept its partial sums in memory.
+constexpr int64_t kLanes = 8;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+// The halves added as vectors first: lane by lane it took 8 extracts and 7 adds per sum.
+inline float sum(Lanes v) {
+  HalfLanes lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const HalfLanes h = lo + hi;
+  return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
   return acc;
+}
+
+// fp32 keys of a width the vector divides (a head is 64 or 128 wide): the sum in registers.
+template <>
+inline float dot<float>(const float* q, const float* k, int64_t n) {
+  if (n % kLanes != 0) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += q[i] * k[i];
+    return acc;
+  }
+  Lanes acc = {};
+  for (int64_t i = 0; i < n; i += kLanes) acc += load(q + i) * load(k + i);
+  return sum(acc);
 }
 
 // exp(x) as a polynomial on a range-reduced argument (Cephes' expf, within 2 ulp of std::exp),
@@ -94,10 +132,14 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * visible;
+        const float shift = top[g];
+        float sum_g = 0.f;
+#pragma omp simd reduction(+ : sum_g)
         for (int64_t s = 0; s < visible; ++s) {
-          sc[s] = std::exp(sc[s] - top[g]);
-          total[g] += sc[s];
+          sc[s] = exp_poly(sc[s] - shift);
+          sum_g += sc[s];
         }
+        total[g] = sum_g;
       }
       for (int64_t s = 0; s < blocks * block; ++s) {
         const T* value = v_ptr + row[s / block] * vpage + (s % block) * vslot + kvh * vhead;
@@ -244,31 +286,6 @@ struct SsmToken {
 };
 
 constexpr int64_t kSsmTokens = 4;
-
-// Eight floats as one value (GCC's and clang's vector extension, lowered to whatever vector
-// registers the target has): the scan's running sums stay in registers, where an `omp simd`
-// reduction over four of them kept its partial sums in memory.
-constexpr int64_t kLanes = 8;
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
-
-typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-
-// The halves added as vectors first: lane by lane it took 8 extracts and 7 adds per sum.
-inline float sum(Lanes v) {
-  HalfLanes lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const HalfLanes h = lo + hi;
-  return (h[0] + h[2]) + (h[1] + h[3]);
-}
 
 // Advance one head's state [P, N] by `count` (<= kSsmTokens) consecutive tokens. Each state row
 // takes all of them in one pass while it is in registers: a row per token would load and
