@@ -68,8 +68,9 @@ class ForwardBatch:
     decode_reqs: tuple[int, ...]
     chunk_reqs: tuple[int, ...]
     # The state kernels' view of the same: each request's first flat token (and the end), and
-    # whether it starts from an empty state (cpu_kernels.Spans).
-    state_spans: tuple[torch.Tensor, torch.Tensor]
+    # whether it starts from an empty state (cpu_kernels.Spans); None in a model without state
+    # layers, whose steps need not build it.
+    state_spans: tuple[torch.Tensor, torch.Tensor] | None
 
     @property
     def num_reqs(self) -> int:
@@ -107,6 +108,7 @@ def build_forward_batch(
         positions = tensor(computed)[token_req] + token_local
     attn: dict[int, AttnMeta] = {}
     mamba: dict[int, torch.Tensor] = {}
+    spans = None
     for g, group in enumerate(groups):
         if group.kind == "attention":
             meta = _attn_meta(chunks, lens, g, block_size, positions, token_req, device)
@@ -114,6 +116,9 @@ def build_forward_batch(
         else:
             slots = tensor([c.block_ids[g][0] for c in chunks])
             mamba.update({layer: slots for layer in group.layer_ids})
+            if spans is None:
+                fresh = torch.tensor([c == 0 for c in computed], dtype=torch.bool, device=device)
+                spans = (tensor(starts), fresh)
     is_decode = [n == 1 and c > 0 for n, c in zip(lens, computed)]
     return ForwardBatch(
         input_ids=tensor(list(chain.from_iterable(c.token_ids for c in chunks))),
@@ -129,7 +134,7 @@ def build_forward_batch(
         mamba_slots=mamba,
         decode_reqs=tuple(r for r, d in enumerate(is_decode) if d),
         chunk_reqs=tuple(r for r, d in enumerate(is_decode) if not d),
-        state_spans=(tensor(starts), torch.tensor([c == 0 for c in computed], dtype=torch.bool, device=device)),
+        state_spans=spans,
     )
 
 

@@ -4,10 +4,9 @@ On a CPU a decode step's attention gathered every request's K/V pages into one t
 then read the copy again, and Mamba2 ran a chunked scan of ~25 small ops per prefill chunk.
 The kernels (paged decode attention, K/V writes, Mamba2's convolution and recurrence over a
 step's tokens, RMS norm) read pages and states where they lie, in one call each
-(docs/design.md §13). They are compiled
-once per source into `.venv/torch_extensions` (about a minute; `make setup` does it, so
-engines start with them built). Where no compiler works the engines run the
-torch path, which is also the path on a GPU, and say so once in the log.
+(docs/design.md §13). They are compiled once per source into `.venv/torch_extensions` (about a
+minute; `make setup` does it, so engines start with them built). Where no compiler works the
+engines run the torch path, which is also the path on a GPU, and say so once in the log.
 """
 
 from __future__ import annotations
