@@ -212,6 +212,17 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return kernels.gated_rms_norm(x, gate, weight, group, eps)
 
 
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`x @ W.T + bias` for fp32 CPU rows x [..., in], W held as `panels` [blocks, kp, nb] (see
+    `models.onednn_panels`); for a few rows, where it outruns oneDNN on the same buffer."""
+    kernels = load()
+    assert kernels is not None, "panel_linear called without usable() kernels"
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return kernels.panel_linear(rows, panels, bias, out_features).view(*x.shape[:-1], out_features)
+
+
 if __name__ == "__main__":
     if load() is None:
         raise SystemExit("the CPU kernels did not build (see the warning above)")

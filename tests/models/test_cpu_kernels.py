@@ -294,3 +294,50 @@ def test_norms_that_need_a_gradient_keep_the_torch_op():
     assert x.grad is not None and norm.weight.grad is not None
     with torch.no_grad():
         torch.testing.assert_close(norm(x), cpu_kernels.rms_norm(x, norm.weight, 1e-6))
+
+
+def _as_panels(weight: torch.Tensor, nb: int, kp: int) -> torch.Tensor:
+    """`weight` [out, in] in the panel layout `panel_linear` reads, padding filled with NaN (a
+    padded slot the kernel read would poison its row)."""
+    out_features, in_features = weight.shape
+    blocks = cdiv(out_features, nb)
+    panels = torch.full((blocks * nb, kp), float("nan"))
+    panels[:out_features, :in_features] = weight
+    return panels.view(blocks, nb, kp).permute(0, 2, 1).contiguous()
+
+
+@pytest.mark.parametrize("nb", [16, 32, 48, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7, 13])
+def test_panel_linear_matches_the_plain_matmul(nb, rows):
+    """Every block width, row groups of one to six, output features that leave the last block
+    part-filled and a k that is not a multiple of the chunk or the padding."""
+    torch.manual_seed(nb * 100 + rows)
+    weight, bias = torch.randn(150, 131), torch.randn(150)
+    panels = _as_panels(weight, nb, kp=144)
+    x = torch.randn(rows, 131)
+    for b in (bias, None):
+        got = cpu_kernels.panel_linear(x, panels, b, 150)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_panel_linear_reads_strided_and_batched_rows():
+    weight = torch.randn(40, 32)
+    x = torch.randn(2, 2, 64)[..., ::2]  # [2, 2, 32], not contiguous
+    got = cpu_kernels.panel_linear(x, _as_panels(weight, 16, 32), None, 40)
+    assert got.shape == (2, 2, 40)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("panels", "features", "out_features", "match"),
+    [
+        (torch.zeros(2, 16, 24), 16, 48, "16, 32, 48 or 64 columns"),
+        (torch.zeros(2, 16, 16), 20, 32, "20 features"),
+        (torch.zeros(2, 16, 16), 16, 33, "do not fill"),
+        (torch.zeros(2, 16, 16), 16, 16, "do not fill"),
+        (torch.zeros(2, 16, 32)[..., ::2], 16, 32, "contiguous"),
+    ],
+)
+def test_panel_linear_refuses_panels_that_do_not_hold_the_weight(panels, features, out_features, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.panel_linear(torch.zeros(1, features), panels, None, out_features)
