@@ -212,15 +212,34 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return kernels.gated_rms_norm(x, gate, weight, group, eps)
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, vector_bits: int = 0
+) -> torch.Tensor:
     """`x @ W.T + bias` for fp32 CPU rows x [..., in], W held as `panels` [blocks, kp, nb] (see
-    `models.onednn_panels`); for a few rows, where it outruns oneDNN on the same buffer."""
+    `models.onednn_panels`); for a few rows, where it outruns oneDNN on the same buffer.
+    `vector_bits` (256 or 512) picks the kernel's vector width; 0 takes the widest this CPU has."""
     kernels = load()
     assert kernels is not None, "panel_linear called without usable() kernels"
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return kernels.panel_linear(rows, panels, bias, out_features).view(*x.shape[:-1], out_features)
+    bits = vector_bits or panel_vector_bits()
+    return kernels.panel_linear(rows, panels, bias, out_features, bits).view(*x.shape[:-1], out_features)
+
+
+@cache
+def panel_vector_bits() -> int:
+    """The widest vectors `panel_linear` has on this CPU: 512 (AVX-512) or 256 bits."""
+    kernels = load()
+    assert kernels is not None, "panel_vector_bits called without usable() kernels"
+    return int(kernels.panel_vector_bits())
+
+
+def panel_row_limit() -> int:
+    """Up to how many rows `panel_linear` beats oneDNN on this CPU (the model's shapes, weights
+    streamed from memory, one core): with AVX-512 1.4-2.5x at one to six rows and 1.1-1.2x at
+    eight, even at twelve; with AVX2 1.4-1.9x at one and two rows, even at four."""
+    return 8 if panel_vector_bits() == 512 else 2
 
 
 if __name__ == "__main__":

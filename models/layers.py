@@ -17,10 +17,6 @@ from models.tensor_parallel import SINGLE, TPGroup
 # The batch size oneDNN lays a packed weight out for; any other size reads it as well
 # (1-1024 rows measured: at or above the unpacked matmul everywhere).
 _PACK_ROWS = 32
-# Up to this many rows `cpu_kernels.panel_linear` reads the packed weight instead of oneDNN:
-# 1.5-1.9x oneDNN's speed at one and two rows, 1.1-1.3x at three and four, even at 5-8 (the
-# model's shapes, weights streamed from memory, one core).
-_PANEL_ROWS = 4
 
 
 class Linear(nn.Linear):
@@ -32,8 +28,10 @@ class Linear(nn.Linear):
     `nn.Linear` as is: oneDNN's op has no autograd."""
 
     packed: torch.Tensor | None = None
-    # `packed`'s own buffer as the few-row kernel reads it, where the CPU kernels run.
+    # `packed`'s own buffer as the few-row kernel reads it, where the CPU kernels run, and up to
+    # how many rows the kernel takes (more go to oneDNN).
     panels: torch.Tensor | None = None
+    panel_rows = 0
 
     def pack(self, keep_weight: bool) -> None:
         """Lay the weight out for oneDNN. The plain weight is then dead weight in memory and is
@@ -42,12 +40,13 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
         self.panels = panels_of(self.packed, weight) if cpu_kernels.usable() else None
+        self.panel_rows = cpu_kernels.panel_row_limit() if self.panels is not None else 0
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if self.panels is not None and x.numel() <= _PANEL_ROWS * self.in_features and cpu_kernels.usable():
+            if self.panels is not None and x.numel() <= self.panel_rows * self.in_features and cpu_kernels.usable():
                 return cpu_kernels.panel_linear(x, self.panels, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

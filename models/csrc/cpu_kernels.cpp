@@ -560,76 +560,108 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, 
 
 // A matmul of a few rows (a decode step's tokens) against a weight in oneDNN's packed layout,
 // read where oneDNN keeps it: `panels` [blocks, kp, nb] holds output columns b*nb.. of block b
-// as [k][column], k padded to kp. At one to four rows the weight streams from memory once and
-// the arithmetic is small: oneDNN read it at 15-19 GB/s and spent ~15 us a call before it
-// started, where one pass along each block's rows reads at the ~30 GB/s a core gets here.
-// Each block is taken in chunks of k that fit L1: the first row's pass reads the chunk's rows
-// whole and in order (what the hardware prefetcher follows; passes of 16 columns each left it
-// behind at a third of the speed), and the other rows then read the chunk from L1.
+// as [k][column], k padded to kp. At a few rows the weight streams from memory once and the
+// arithmetic is small: oneDNN read it at 15-19 GB/s and spent ~15 us a call before it started,
+// where a pass along each block's rows, in order, reads at the ~30 GB/s a core gets here.
+// Each block is taken in chunks of k that fit L1. Every pass reads whole rows of the block, so
+// the first one over a chunk streams it in the order the hardware prefetcher follows (passes
+// of 16 columns each, or explicit prefetches, ran at a third to half the speed). With AVX-512
+// (32 vector registers) up to six x rows share each pass, their sums for a whole 64-column row
+// in registers, and the arithmetic overlaps the stream. With AVX2 (16 registers) one row's sums
+// fill them: each row is its own pass, the first from memory and the rest from L1, so the
+// arithmetic waits on the stream, and past two rows oneDNN is as fast.
 constexpr int64_t kPanelChunk = 64;
 
-// G rows of x against the columns [0, S * 8) of a block's k rows k0..k1, their sums carried in
-// `acc` (G rows, `ld` apart) from chunk to chunk.
-template <int G, int S>
-inline void panel_strip(const float* x, int64_t ldx, const float* w, int64_t nb, int64_t k0, int64_t k1, float* acc,
-                        int64_t ld, bool first) {
-  Lanes sums[G][S];
+// Sixteen floats: one AVX-512 register in the functions built for it.
+typedef float Wide __attribute__((vector_size(16 * sizeof(float))));
+
+template <typename V>
+__attribute__((always_inline)) inline V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// G rows of x against S vectors of columns of a block's k rows k0..k1 (a whole row of it: the
+// callers pick S so), their sums carried in `acc` (G rows, `ld` apart) from chunk to chunk.
+// Inlined into each caller, so that it is built for the caller's vector width.
+template <typename V, int G, int S>
+__attribute__((always_inline)) inline void panel_pass(const float* x, int64_t ldx, const float* w, int64_t k0,
+                                                      int64_t k1, float* acc, int64_t ld, bool first) {
+  constexpr int64_t width = sizeof(V) / sizeof(float), nb = S * width;
+  V sums[G][S];
   for (int g = 0; g < G; ++g)
-    for (int s = 0; s < S; ++s) sums[g][s] = first ? Lanes{} : load(acc + g * ld + s * kLanes);
+    for (int s = 0; s < S; ++s) sums[g][s] = first ? V{} : load_vec<V>(acc + g * ld + s * width);
   for (int64_t k = k0; k < k1; ++k) {
     const float* row = w + k * nb;
-    Lanes wv[S];
-    for (int s = 0; s < S; ++s) wv[s] = load(row + s * kLanes);
+    V wv[S];
+    for (int s = 0; s < S; ++s) wv[s] = load_vec<V>(row + s * width);
     for (int g = 0; g < G; ++g) {
       const float xv = x[g * ldx + k];
       for (int s = 0; s < S; ++s) sums[g][s] += xv * wv[s];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int s = 0; s < S; ++s) store(acc + g * ld + s * kLanes, sums[g][s]);
+    for (int s = 0; s < S; ++s) std::memcpy(acc + g * ld + s * width, &sums[g][s], sizeof(V));
 }
 
-// One row against a whole block row by row (S * 8 == nb).
-template <int S>
-inline void panel_row(const float* x, const float* block, int64_t k0, int64_t k1, float* acc, bool first) {
-  panel_strip<1, S>(x, 0, block, S * kLanes, k0, k1, acc, 0, first);
-}
-
-// G (2-6) rows against a block, 16 columns at a time: up to 12 sums in registers.
-template <int G>
-inline void panel_rows(const float* x, int64_t ldx, const float* block, int64_t nb, int64_t k0, int64_t k1, float* acc,
-                       int64_t ld, bool first) {
-  for (int64_t c = 0; c < nb; c += 2 * kLanes) panel_strip<G, 2>(x, ldx, block + c, nb, k0, k1, acc + c, ld, first);
-}
-
-void panel_chunk(const float* x, int64_t ldx, int64_t rows, const float* block, int64_t nb, int64_t k0, int64_t k1,
-                 float* acc, bool first) {
-  for (int64_t r = 0; r < rows;) {
+void panel_chunk_avx2(const float* x, int64_t ldx, int64_t rows, const float* block, int64_t nb, int64_t k0,
+                      int64_t k1, float* acc, bool first) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ldx;
     float* ar = acc + r * nb;
-    const int64_t group = std::min<int64_t>(r == 0 ? 1 : 6, rows - r);
-    if (group == 1) {
-      switch (nb) {
-        case 16: panel_row<2>(xr, block, k0, k1, ar, first); break;
-        case 32: panel_row<4>(xr, block, k0, k1, ar, first); break;
-        case 48: panel_row<6>(xr, block, k0, k1, ar, first); break;
-        default: panel_row<8>(xr, block, k0, k1, ar, first); break;
-      }
-    } else {
-      switch (group) {
-        case 2: panel_rows<2>(xr, ldx, block, nb, k0, k1, ar, nb, first); break;
-        case 3: panel_rows<3>(xr, ldx, block, nb, k0, k1, ar, nb, first); break;
-        case 4: panel_rows<4>(xr, ldx, block, nb, k0, k1, ar, nb, first); break;
-        case 5: panel_rows<5>(xr, ldx, block, nb, k0, k1, ar, nb, first); break;
-        default: panel_rows<6>(xr, ldx, block, nb, k0, k1, ar, nb, first); break;
-      }
+    switch (nb) {
+      case 16: panel_pass<Lanes, 1, 2>(xr, ldx, block, k0, k1, ar, nb, first); break;
+      case 32: panel_pass<Lanes, 1, 4>(xr, ldx, block, k0, k1, ar, nb, first); break;
+      case 48: panel_pass<Lanes, 1, 6>(xr, ldx, block, k0, k1, ar, nb, first); break;
+      default: panel_pass<Lanes, 1, 8>(xr, ldx, block, k0, k1, ar, nb, first); break;
+    }
+  }
+}
+
+template <int G>
+__attribute__((target("avx512f"))) void panel_group_avx512(const float* x, int64_t ldx, const float* block,
+                                                            int64_t nb, int64_t k0, int64_t k1, float* acc,
+                                                            bool first) {
+  switch (nb) {
+    case 16: panel_pass<Wide, G, 1>(x, ldx, block, k0, k1, acc, nb, first); break;
+    case 32: panel_pass<Wide, G, 2>(x, ldx, block, k0, k1, acc, nb, first); break;
+    case 48: panel_pass<Wide, G, 3>(x, ldx, block, k0, k1, acc, nb, first); break;
+    default: panel_pass<Wide, G, 4>(x, ldx, block, k0, k1, acc, nb, first); break;
+  }
+}
+
+// Groups of two to six rows; seven to twelve rows split into two even groups. A lone row takes
+// the 8-float pass: eight sums for a 64-column row, where four 16-float sums ran 10-20% slower.
+void panel_chunk_avx512(const float* x, int64_t ldx, int64_t rows, const float* block, int64_t nb, int64_t k0,
+                        int64_t k1, float* acc, bool first) {
+  for (int64_t r = 0; r < rows;) {
+    const int64_t left = rows - r, group = left <= 6 ? left : (left <= 12 ? (left + 1) / 2 : 6);
+    const float* xr = x + r * ldx;
+    float* ar = acc + r * nb;
+    switch (group) {
+      case 1: panel_chunk_avx2(xr, ldx, 1, block, nb, k0, k1, ar, first); break;
+      case 2: panel_group_avx512<2>(xr, ldx, block, nb, k0, k1, ar, first); break;
+      case 3: panel_group_avx512<3>(xr, ldx, block, nb, k0, k1, ar, first); break;
+      case 4: panel_group_avx512<4>(xr, ldx, block, nb, k0, k1, ar, first); break;
+      case 5: panel_group_avx512<5>(xr, ldx, block, nb, k0, k1, ar, first); break;
+      default: panel_group_avx512<6>(xr, ldx, block, nb, k0, k1, ar, first); break;
     }
     r += group;
   }
 }
 
+bool has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// The vector width panel_linear uses on this CPU (512 or 256 bits), for Python to pick its
+// row limit by.
+int64_t panel_vector_bits() { return has_avx512() ? 512 : 256; }
+
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
-                           int64_t out_features) {
+                           int64_t out_features, int64_t vector_bits) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
               "x must be float32 [rows, in_features] with contiguous rows");
@@ -638,6 +670,9 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const int64_t rows = x.size(0), k_len = x.size(1), blocks = panels.size(0), kp = panels.size(1), nb = panels.size(2);
   TORCH_CHECK(nb == 16 || nb == 32 || nb == 48 || nb == 64, "a panel block is 16, 32, 48 or 64 columns, not ", nb);
   TORCH_CHECK(k_len <= kp, "x has ", k_len, " features and the panels ", kp);
+  TORCH_CHECK(vector_bits == 256 || (vector_bits == 512 && has_avx512()), vector_bits,
+              "-bit vectors are not available on this CPU");
+  const auto chunk = vector_bits == 512 ? panel_chunk_avx512 : panel_chunk_avx2;
   TORCH_CHECK(out_features > (blocks - 1) * nb && out_features <= blocks * nb, out_features,
               " output features do not fill ", blocks, " blocks of ", nb);
   const float* b_ptr = nullptr;
@@ -657,7 +692,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
     for (int64_t b = begin; b < end; ++b) {
       const float* block = w_ptr + b * kp * nb;
       for (int64_t k0 = 0; k0 < k_len; k0 += kPanelChunk)
-        panel_chunk(x_ptr, ldx, rows, block, nb, k0, std::min(k_len, k0 + kPanelChunk), acc.data(), k0 == 0);
+        chunk(x_ptr, ldx, rows, block, nb, k0, std::min(k_len, k0 + kPanelChunk), acc.data(), k0 == 0);
       if (k_len == 0) std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t cols = std::min(nb, out_features - b * nb);
       for (int64_t r = 0; r < rows; ++r) {
@@ -683,4 +718,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("gated_rms_norm", &gated_rms_norm);
   m.def("panel_linear", &panel_linear);
+  m.def("panel_vector_bits", &panel_vector_bits);
 }

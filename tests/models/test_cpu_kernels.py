@@ -306,17 +306,27 @@ def _as_panels(weight: torch.Tensor, nb: int, kp: int) -> torch.Tensor:
     return panels.view(blocks, nb, kp).permute(0, 2, 1).contiguous()
 
 
+_VECTOR_BITS = [
+    256,
+    pytest.param(
+        512, marks=pytest.mark.skipif(cpu_kernels.panel_vector_bits() < 512, reason="this CPU has no AVX-512")
+    ),
+]
+
+
+@pytest.mark.parametrize("bits", _VECTOR_BITS)
 @pytest.mark.parametrize("nb", [16, 32, 48, 64])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7, 13])
-def test_panel_linear_matches_the_plain_matmul(nb, rows):
-    """Every block width, row groups of one to six, output features that leave the last block
-    part-filled and a k that is not a multiple of the chunk or the padding."""
+def test_panel_linear_matches_the_plain_matmul(bits, nb, rows):
+    """Both vector widths, every block width, row groups of one to six (seven and thirteen rows
+    split unevenly), output features that leave the last block part-filled, and a k that is
+    not a multiple of the chunk or the padding."""
     torch.manual_seed(nb * 100 + rows)
     weight, bias = torch.randn(150, 131), torch.randn(150)
     panels = _as_panels(weight, nb, kp=144)
     x = torch.randn(rows, 131)
     for b in (bias, None):
-        got = cpu_kernels.panel_linear(x, panels, b, 150)
+        got = cpu_kernels.panel_linear(x, panels, b, 150, bits)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
@@ -336,8 +346,10 @@ def test_panel_linear_reads_strided_and_batched_rows():
         (torch.zeros(2, 16, 16), 16, 33, "do not fill"),
         (torch.zeros(2, 16, 16), 16, 16, "do not fill"),
         (torch.zeros(2, 16, 32)[..., ::2], 16, 32, "contiguous"),
+        (torch.zeros(2, 16, 16), 16, 32, "128-bit vectors"),
     ],
 )
 def test_panel_linear_refuses_panels_that_do_not_hold_the_weight(panels, features, out_features, match):
+    bits = 128 if "128" in match else 0
     with pytest.raises(RuntimeError, match=match):
-        cpu_kernels.panel_linear(torch.zeros(1, features), panels, None, out_features)
+        cpu_kernels.panel_linear(torch.zeros(1, features), panels, None, out_features, bits)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from models import cpu_kernels, layers
+from models import cpu_kernels
 from models.layers import Linear, pack_linears
 from models.onednn_panels import panels_of
 
@@ -35,8 +35,8 @@ def test_a_buffer_that_does_not_hold_the_weight_is_not_read():
     assert panels_of(torch.ops.mkldnn._reorder_linear_weight(other, 32), weight) is None
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 32])
-def test_a_packed_linear_takes_the_panel_kernel_for_up_to_four_rows(rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 32])
+def test_a_packed_linear_takes_the_panel_kernel_for_a_decode_steps_rows(rows, monkeypatch):
     layer = Linear(64, 200, bias=True)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     pack_linears(layer)
@@ -49,7 +49,8 @@ def test_a_packed_linear_takes_the_panel_kernel_for_up_to_four_rows(rows, monkey
     with torch.inference_mode():
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert len(calls) == (1 if rows <= layers._PANEL_ROWS else 0)
+    assert layer.panel_rows == cpu_kernels.panel_row_limit()
+    assert len(calls) == (1 if rows <= layer.panel_rows else 0)
 
 
 def test_without_the_cpu_kernels_a_packed_linear_stays_with_onednn(monkeypatch):
