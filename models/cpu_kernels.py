@@ -237,8 +237,8 @@ def panel_vector_bits() -> int:
 
 def panel_row_limit() -> int:
     """Up to how many rows `panel_linear` beats oneDNN on this CPU (the model's shapes, weights
-    streamed from memory, one core): with AVX-512 1.4-2.5x at one to six rows and 1.1-1.2x at
-    eight, even at twelve; with AVX2 1.4-1.9x at one and two rows, even at four."""
+    streamed from memory, one core): with AVX-512 1.3-2.1x at one to six rows and 1.2x at eight,
+    even at twelve; with AVX2 1.7-1.9x at one and two rows, behind from four."""
     return 8 if panel_vector_bits() == 512 else 2
 
 

@@ -1,9 +1,9 @@
 """oneDNN's packed fp32 weight read in place as panels, for the few-row matmul kernel.
 
 `Linear.pack` lays a weight out for oneDNN, which is the fast layout for a prefill's or a large
-batch's rows. At one to four rows (a decode step) oneDNN reads that layout at about half the
-speed a core can stream it and pays ~15 us a call, so `cpu_kernels.panel_linear` reads the same
-buffer instead (docs/design.md §13): no second copy of any weight. The layout is oneDNN's to
+batch's rows. At a few rows (a decode step) oneDNN reads that layout at about half the speed a
+core can stream it and pays ~15 us a call, so `cpu_kernels.panel_linear` reads the same buffer
+instead (docs/design.md §13): no second copy of any weight. The layout is oneDNN's to
 choose (it depends on the CPU); here, on AVX-512, it is blocks of 64 output columns stored
 [k][column]. Which layout a buffer holds is not taken on trust: the panels are used only where
 they read back the plain weight exactly, and otherwise every matmul stays with oneDNN.
@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-# The block widths the kernel reads (16-column strips, whole rows of up to 64 columns).
+# The block widths the kernel reads: whole block rows of 16 to 64 columns.
 _BLOCK_WIDTHS = (64, 48, 32, 16)
 # Output columns compared at a time, so that checking a large weight copies only a slice of it.
 _CHECK_COLUMNS = 1 << 14

@@ -557,7 +557,6 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, 
   return out;
 }
 
-
 // A matmul of a few rows (a decode step's tokens) against a weight in oneDNN's packed layout,
 // read where oneDNN keeps it: `panels` [blocks, kp, nb] holds output columns b*nb.. of block b
 // as [k][column], k padded to kp. At a few rows the weight streams from memory once and the
@@ -569,7 +568,7 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, 
 // (32 vector registers) up to six x rows share each pass, their sums for a whole 64-column row
 // in registers, and the arithmetic overlaps the stream. With AVX2 (16 registers) one row's sums
 // fill them: each row is its own pass, the first from memory and the rest from L1, so the
-// arithmetic waits on the stream, and past two rows oneDNN is as fast.
+// arithmetic waits on the stream, and from four rows on oneDNN is faster.
 constexpr int64_t kPanelChunk = 64;
 
 // Sixteen floats: one AVX-512 register in the functions built for it.
