@@ -21,13 +21,19 @@ namespace {
 constexpr int64_t kLanes = 8;
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline Lanes load(const float* p) {
-  Lanes v;
+// Any vector type V (Lanes here; the panel kernel's AVX-512 functions also load `Wide`). Always
+// inlined, so that each caller builds it for its own vector width.
+template <typename V = Lanes>
+__attribute__((always_inline)) inline V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+__attribute__((always_inline)) inline void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 
@@ -574,13 +580,6 @@ constexpr int64_t kPanelChunk = 64;
 // Sixteen floats: one AVX-512 register in the functions built for it.
 typedef float Wide __attribute__((vector_size(16 * sizeof(float))));
 
-template <typename V>
-__attribute__((always_inline)) inline V load_vec(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // G rows of x against S vectors of columns of a block's k rows k0..k1 (a whole row of it: the
 // callers pick S so), their sums carried in `acc` (G rows, `ld` apart) from chunk to chunk.
 // Inlined into each caller, so that it is built for the caller's vector width.
@@ -590,18 +589,18 @@ __attribute__((always_inline)) inline void panel_pass(const float* x, int64_t ld
   constexpr int64_t width = sizeof(V) / sizeof(float), nb = S * width;
   V sums[G][S];
   for (int g = 0; g < G; ++g)
-    for (int s = 0; s < S; ++s) sums[g][s] = first ? V{} : load_vec<V>(acc + g * ld + s * width);
+    for (int s = 0; s < S; ++s) sums[g][s] = first ? V{} : load<V>(acc + g * ld + s * width);
   for (int64_t k = k0; k < k1; ++k) {
     const float* row = w + k * nb;
     V wv[S];
-    for (int s = 0; s < S; ++s) wv[s] = load_vec<V>(row + s * width);
+    for (int s = 0; s < S; ++s) wv[s] = load<V>(row + s * width);
     for (int g = 0; g < G; ++g) {
       const float xv = x[g * ldx + k];
       for (int s = 0; s < S; ++s) sums[g][s] += xv * wv[s];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int s = 0; s < S; ++s) std::memcpy(acc + g * ld + s * width, &sums[g][s], sizeof(V));
+    for (int s = 0; s < S; ++s) store(acc + g * ld + s * width, sums[g][s]);
 }
 
 void panel_chunk_avx2(const float* x, int64_t ldx, int64_t rows, const float* block, int64_t nb, int64_t k0,
