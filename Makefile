@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-# The C++ CPU decode kernels (models/cpu_kernels.py), compiled here (~1 min) so that engines
+# The C++ CPU decode kernels (kernels/cpu/ops.py), compiled here (~1 min) so that engines
 # and tests start with them built; rebuilt when their source changes.
-$(KERNELS): $(STAMP) models/csrc/cpu_kernels.cpp models/cpu_kernels.py
-	$(PY) -m models.cpu_kernels
+$(KERNELS): $(STAMP) kernels/cpu/csrc/cpu_kernels.cpp kernels/cpu/ops.py
+	$(PY) -m kernels.cpu.ops
 	touch $(KERNELS)
 
 # Format, lint and types (configured in pyproject.toml); `make test` runs it first.
@@ -60,7 +60,7 @@ test-sim-long: setup
 	$(PY) -m pytest -q -m sim_long tests/sim
 
 model: setup
-	$(PY) -m models.train_tiny --out models/tiny-hybrid
+	$(PY) -m training.train_tiny --out models/tiny-hybrid
 
 accuracy: setup
 	$(PY) -m bench.accuracy --mode local

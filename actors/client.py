@@ -19,7 +19,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from actors.messages import (
+from actors.output_channel import OutputFeed
+from engine.messages import (
     ENGINE_FAILURE,
     EngineFailedError,
     InvalidRequestError,
@@ -27,7 +28,6 @@ from actors.messages import (
     RequestOutput,
     SamplingParams,
 )
-from actors.output_channel import OutputFeed
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.build import Role, check_tp, disagg_config, make_engine, worker_config
-from actors.config import Config
-from actors.cpu_affinity import keep_off
-from actors.messages import EngineStats, OutputBatch, SamplingParams
+from actors.lease import LeaseRenewer
 from actors.output_channel import OutputServer
 from actors.ports import free_port
+from actors.process import keep_off
 from actors.startup import freeze_startup_objects
 from actors.step_channel import StepChannel
 from actors.worker_actor import RemoteWorker
-from kv.lease import LeaseRenewer
-from kv.nixl_peers import PeerInfo
+from engine.build import Role, check_tp, disagg_config, make_engine, worker_config
+from engine.config import Config
+from engine.messages import EngineStats, OutputBatch, SamplingParams
+from kv.nixl.peers import PeerInfo
 
 # Heartbeats per lease: a renewal may be lost or late three times before the lease runs out.
 _BEATS_PER_LEASE = 4
@@ -95,7 +95,7 @@ class EngineActor:
 
     async def set_lease_peers(self, engines: dict[str, Any]) -> None:
         """Decode side: the prefill engines (id -> actor handle) whose leases this engine renews
-        while its requests wait for their KV (kv/lease.py). A replaced engine's new handle
+        while its requests wait for their KV (actors/lease.py). A replaced engine's new handle
         replaces the old one under the same id."""
         self._lease_peers.update(engines)
         if self._renewer is None:

@@ -22,7 +22,6 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from actors.messages import OutputBatch
 from actors.socket_frames import (
     PeerRefusedError,
     check_peer,
@@ -32,6 +31,7 @@ from actors.socket_frames import (
     listening_socket,
     read_frame,
 )
+from engine.messages import OutputBatch
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections.abc import Collection
 
 _LENGTH = struct.Struct("<Q")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_PACKAGES = ("actors", "kv")
+_PACKAGES = ("engine", "worker", "actors", "kv")
 
 
 class PeerRefusedError(ConnectionError):

@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.socket_frames import (
     PeerRefusedError,
     check_peer,
@@ -32,6 +31,7 @@ from actors.socket_frames import (
     loads,
     read_frame,
 )
+from engine.messages import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

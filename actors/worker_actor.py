@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.startup import freeze_startup_objects
 from actors.step_channel import StepServer
-from actors.worker_config import WorkerConfig
+from engine.messages import ModelRunnerOutput, SchedulerOutput
 from kv.cache_layout import CacheLayout
-from kv.nixl_peers import PeerInfo
-from kv.transfer_stats import TransferStats
+from kv.nixl.peers import PeerInfo
+from kv.nixl.transfer_stats import TransferStats
+from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
-    from actors.worker import Worker
+    from worker.worker import Worker
 
 # Room for two steps (one running, one queued behind it) plus control calls and a step that
 # arrived early and waits for its predecessor.
@@ -42,7 +42,7 @@ class WorkerActor:
         # imports this module for the class alone and must not load torch (docs/design.md §14).
         import torch
 
-        from actors.worker import Worker
+        from worker.worker import Worker
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)

@@ -20,8 +20,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from actors.config import Config
-from actors.messages import InvalidRequestError, SamplingParams
 from api.errors import (
     RETRY_AFTER_S,
     APIError,
@@ -37,6 +35,8 @@ from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
+from engine.config import Config
+from engine.messages import InvalidRequestError, SamplingParams
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DISCONNECT_POLL_S = 0.25

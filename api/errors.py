@@ -18,8 +18,8 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException
 
 from actors.client import EngineLostError
-from actors.messages import EngineOverloadedError, InvalidRequestError
 from api.text import TemplateError
+from engine.messages import EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

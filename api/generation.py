@@ -15,11 +15,11 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from actors.messages import RequestOutput, SamplingParams
 from api.errors import APIError
 from api.metrics import Metrics, RequestTimer
 from api.router import Router
 from api.text import Detokenizer, StopBuffer, TextModel
+from engine.messages import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

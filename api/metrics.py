@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from actors.messages import EngineStats
-from actors.phases import PHASES
 from api.router import Router
-from kv import transfer_stats
+from engine.messages import EngineStats
+from engine.phases import PHASES
+from kv.nixl import transfer_stats
 
 STATS_TIMEOUT_S = 1.0
 OUTCOMES = ("success", "rejected", "overloaded", "aborted", "error")
@@ -119,7 +119,7 @@ class _EngineCollector(Collector):
         yield expired
 
     def _phases(self) -> Iterator[Metric]:
-        """Where requests spent their time inside each engine (actors/phases.py)."""
+        """Where requests spent their time inside each engine (engine/phases.py)."""
         for phase in PHASES:
             family = HistogramMetricFamily(
                 f"raypd_request_{phase}_time_seconds",

@@ -26,7 +26,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from actors.client import EngineLostError
-from actors.messages import RequestOutput, SamplingParams
+from engine.messages import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from actors.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
+from engine.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
 
 MAX_N = 16  # choices per request; each choice is one engine request
 MAX_PROMPTS = 64  # prompts in one completion request, each run n times

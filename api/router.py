@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
-from actors.messages import EngineStats, RequestOutput, SamplingParams
 from api.migration import MigrationPolicy, resumable
+from engine.messages import EngineStats, RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

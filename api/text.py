@@ -16,8 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from actors.messages import InvalidRequestError
-from actors.stop import truncate_at_stop
+from engine.messages import InvalidRequestError
+from engine.stop import truncate_at_stop
 from models.model_files import load_config, load_generation_config
 
 # Prompt tokens decoded ahead of the output, so a decoder that joins tokens with spaces

@@ -4,7 +4,7 @@
     python -m bench.accuracy --mode colocated|pd [any `python -m serve` flag, e.g. --worker-threads 1]
     python -m bench.accuracy --mode pd --prefill-tp 2 --decode-tp 1   # tensor-parallel engines
 
-`local` runs the model in this process (actors.reference); `colocated` and `pd` run the real
+`local` runs the model in this process (models.reference); `colocated` and `pd` run the real
 engines as Ray actors (pd: prefill and decode engines moving KV over NIXL, routed as the API
 server routes), configured by the same flags as `python -m serve`: on the Ray session this
 process already has (tests), else on a local cluster started for the run and stopped after it.
@@ -32,12 +32,12 @@ import ray
 import torch
 from tokenizers import Tokenizer
 
-from actors.config import Config
-from actors.messages import SamplingParams
-from actors.reference import greedy_generate
 from api.router import Engine, PDRouter, RoundRobinRouter, Router
+from engine.config import Config
+from engine.messages import SamplingParams
 from models.loader import load_model
 from models.model_files import load_config, load_generation_config
+from models.reference import greedy_generate
 from serve.config import parse_args as parse_serve_args
 from serve.engines import NAMESPACE, start_engines, stop_engines
 

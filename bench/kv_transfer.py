@@ -1,6 +1,6 @@
 """Moving one request's KV from a prefill worker to a decode worker, four ways, in one run:
 
-- `nixl`: the project's path, `kv/nixl_worker.py` in two Ray actors: the decode actor
+- `nixl`: the project's path, `kv/nixl/worker.py` in two Ray actors: the decode actor
   posts one READ of the request's pages (prepared descriptors, no staging copy) and polls
   until NIXL reports it done; the prefill actor only runs the connector's poller thread.
 - `memcpy`: the same bytes copied by one thread in one process: the limit.
@@ -13,7 +13,7 @@
   into the decode cache's pages, timed on the receiver from a barrier.
 
 Every endpoint's host buffers are allocated as a raypd worker's KV cache is (on transparent
-huge pages, kv/host_pages.py), so the limit and the paths copy between the same kind of pages.
+huge pages, kv/nixl/host_pages.py), so the limit and the paths copy between the same kind of pages.
 
 A block is `--buffers` pages, one per cache buffer (the layers of kv/cache_layout.py), of
 `block_mib / buffers` MiB each. Sizes: every `--blocks` count for every `--block-mib`,
@@ -46,8 +46,8 @@ import torch.distributed as dist
 from actors.ports import free_port
 from bench.cma import read_spans
 from kv.cache_buffers import page_buffer
-from kv.nixl_worker import NixlWorkerConnector, PeerInfo
-from kv.transfer_params import KVTransferParams
+from kv.nixl.transfer_params import KVTransferParams
+from kv.nixl.worker import NixlWorkerConnector, PeerInfo
 
 PATHS = ("nixl", "memcpy", "cma", "ray", "gloo")
 CUDA_PATHS = ("nixl", "memcpy")  # VRAM: NIXL registers it; the other paths are host-memory ones

@@ -5,7 +5,7 @@ Two `NixlWorkerConnector`s in this process (real agents, UCX over loopback and c
 one host) move a request of `blocks` blocks of `block_mib` MiB, each spread over
 `--buffers` pages. `read` posts the READ and polls until it is done; `verified` is the same
 READ with `page_checksums`, so the decode side checksums the landed pages before reporting
-the load done (kv/verify.py; CRC-32 on CPU memory). `handover` is the prefill worker's
+the load done (kv/nixl/verify.py; CRC-32 on CPU memory). `handover` is the prefill worker's
 checksum of the same blocks after its forward. Each is run `--reps` times after a warm-up;
 the median counts.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from bench.kv_transfer import timed_load
-from kv.nixl_worker import NixlWorkerConnector
-from kv.transfer_params import KVTransferParams
-from kv.verify import checksum_blocks
+from kv.nixl.transfer_params import KVTransferParams
+from kv.nixl.verify import checksum_blocks
+from kv.nixl.worker import NixlWorkerConnector
 
 
 @dataclass(frozen=True, slots=True)

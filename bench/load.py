@@ -26,12 +26,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from actors.config import Config
 from actors.ports import free_port
 from bench.client import LoadSpec, Sample, run_load, warm_up
-from bench.plot import plot_runs
+from bench.load_plot import plot_runs
 from bench.server_metrics import breakdown, wait_idle
 from bench.stats import Slo, summarize
+from engine.config import Config
 from serve import launch
 from serve.config import parse_args as parse_serve_args
 

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from actors.config import Config
-from actors.engine import EngineCore
-from actors.local_engine import build_local_engine
-from actors.messages import SamplingParams
 from actors.startup import freeze_startup_objects
+from engine.config import Config
+from engine.core import EngineCore
+from engine.local import build_local_engine
+from engine.messages import SamplingParams
 
 
 async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -26,15 +26,15 @@ import json
 import time
 from pathlib import Path
 
-from actors.messages import ModelRunnerOutput, SamplingParams
-from actors.request import Request
-from actors.scheduler import Scheduler, SchedulerConfig
 from actors.startup import freeze_startup_objects
-from actors.stop import StopChecker
-from actors.worker import Worker
-from actors.worker_config import WorkerConfig
+from engine.messages import ModelRunnerOutput, SamplingParams
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stop import StopChecker
 from kv.cache_group import CacheGroup, cdiv
 from kv.kv_cache_manager import KVCacheManager
+from worker.config import WorkerConfig
+from worker.worker import Worker
 
 GROUPS = (CacheGroup("attention", (1, 4)), CacheGroup("mamba", (0, 3)))
 

@@ -30,11 +30,11 @@ from typing import Any, cast
 import httpx
 import ray
 
-from actors.config import Config
-from actors.messages import EngineStats
 from actors.ports import free_port
 from bench.rss import ray_worker_rss
 from bench.soak_traffic import KINDS, WEIGHTS, Outcome, request
+from engine.config import Config
+from engine.messages import EngineStats
 from serve import launch
 from serve.config import ENV_PREFIX
 from serve.config import parse_args as parse_serve_args

@@ -9,15 +9,15 @@ from collections.abc import Sequence
 import torch
 
 from kv.cache_layout import CacheLayout
-from kv.host_pages import huge_page_zeros
-from kv.read_descs import Pages
+from kv.nixl.host_pages import huge_page_zeros
+from kv.nixl.read_descs import Pages
 from models.batch import LayerCache
 from models.config import ModelConfig
 
 
 def page_buffer(num_blocks: int, page_bytes: int, device: torch.device | str) -> torch.Tensor:
     """One zeroed cache buffer, [num_blocks, page_bytes] bytes; on the host it sits on huge
-    pages, which a same-host NIXL READ copies from fastest (kv/host_pages.py)."""
+    pages, which a same-host NIXL READ copies from fastest (kv/nixl/host_pages.py)."""
     if torch.device(device).type == "cpu":
         return huge_page_zeros(num_blocks, page_bytes)
     return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)
@@ -43,7 +43,7 @@ def allocate_caches(
 def _attn_view(buf: torch.Tensor, layout: CacheLayout, cfg: ModelConfig) -> LayerCache:
     """K and V as `[num_blocks, block_size, kv_heads, head_dim]` over head-major pages
     (`[2, kv_heads, block_size, head_dim]`): one head's tokens are one run of bytes, so a
-    tensor-parallel reader takes a head slice as one descriptor (kv/tp_slices.py)."""
+    tensor-parallel reader takes a head slice as one descriptor (kv/nixl/tp_slices.py)."""
     kv = buf[:, : layout.attn_page_bytes].view(getattr(torch, layout.attn_dtype))
     kv = kv.view(layout.num_blocks, 2, cfg.num_key_value_heads, layout.block_size, cfg.head_dim)
     return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from models import cpu_kernels
+from kernels.cpu import ops as cpu_kernels
 from models.batch import AttnMeta, ForwardBatch, padding_indices, visible_slots
 
 

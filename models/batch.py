@@ -15,8 +15,8 @@ from itertools import accumulate, chain
 
 import torch
 
+from kernels.cpu import ops as cpu_kernels
 from kv.cache_group import CacheGroup, cdiv
-from models import cpu_kernels
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]
 """Attention: (K, V), each [num_blocks, block_size, kv_heads, head_dim] in the cache dtype.

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models import cpu_kernels
-from models.onednn_panels import panels_of
+from kernels.cpu import ops as cpu_kernels
+from kernels.cpu.onednn_panels import panels_of
 from models.tensor_parallel import SINGLE, TPGroup
 
 # The batch size oneDNN lays a packed weight out for; any other size reads it as well

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models import cpu_kernels
+from kernels.cpu import ops as cpu_kernels
 from models.batch import ForwardBatch
 from models.config import MambaSpec
 from models.layers import GatedRMSNorm, Linear

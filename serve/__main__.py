@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from ray.exceptions import RayTaskError
 
-from actors.build import Role, check_tp
-from actors.config import Config, ConfigError
+from engine.build import Role, check_tp
+from engine.config import Config, ConfigError
 from models.model_files import ModelLoadError, load_config
 from serve import launch
 from serve.config import parse_args

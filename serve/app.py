@@ -15,12 +15,12 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
-from actors.config import Config
-from actors.cpu_affinity import keep_off
+from actors.process import keep_off
 from actors.startup import freeze_startup_objects
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from api.errors import RETRY_AFTER_S
 from api.migration import MigrationPolicy
+from engine.config import Config
 from serve.engines import EngineSupervisor
 from serve.placement import NORMAL_PRIORITY
 

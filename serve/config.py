@@ -1,6 +1,6 @@
-"""Building the one validated, frozen configuration (actors/config.py) for every raypd entry point.
+"""Building the one validated, frozen configuration (engine/config.py) for every raypd entry point.
 
-Values come from four layers, lowest to highest precedence: the defaults in actors/config.py, a YAML file
+Values come from four layers, lowest to highest precedence: the defaults in engine/config.py, a YAML file
 (`--config PATH` or `RAYPD_CONFIG`), `RAYPD_<FIELD>` environment variables, CLI flags. Every
 layer goes through the same parsing and the same `__post_init__` checks, so a bad value is
 reported the same way wherever it came from: naming the field, the value and the layer.
@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from actors.config import FIELDS, SPECS, Config, ConfigError, parse_size, show_value, unknown_name
+from engine.config import FIELDS, SPECS, Config, ConfigError, parse_size, show_value, unknown_name
 
 ENV_PREFIX = "RAYPD_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"

@@ -7,7 +7,7 @@ replacement is a fresh scheduler, worker, cache and NIXL agent: a decode engine 
 prefill worker's agent again, a prefill engine's new agent goes to every decode engine. The
 requests that were in flight on the dead engine are resumed by the router on another engine
 (api/migration.py); nothing is retried here. Decode engines also get the prefill engines' actor
-handles, to renew the leases of the KV they have yet to read (kv/lease.py).
+handles, to renew the leases of the KV they have yet to read (actors/lease.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 import ray
 
-from actors.build import Role
 from actors.client import engine_lost
-from actors.config import Config
 from actors.engine_actor import RemoteEngine
+from engine.build import Role
+from engine.config import Config
 from serve.placement import engine_options, worker_options
 
 log = logging.getLogger(__name__)

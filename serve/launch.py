@@ -21,7 +21,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from actors.config import Config
+from engine.config import Config
 from serve.app import build_app
 from serve.engines import NAMESPACE, start_engines, stop_engines
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from actors.config import Config
+from engine.config import Config
 
 ROLE_RESOURCES = {"prefill": "prefill", "decode": "decode"}
 LABEL_AMOUNT = 0.001

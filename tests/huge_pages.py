@@ -1,5 +1,5 @@
 """What the kernel says about transparent huge pages, for tests that check the KV cache sits
-on them (kv/host_pages.py)."""
+on them (kv/nixl/host_pages.py)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.accuracy import evaluate, parse_args
-from models.build_tokenizer import EOS_TOKEN_ID
 from models.loader import load_model
+from training.build_tokenizer import EOS_TOKEN_ID
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 # The NemotronH-style hybrid (Mamba2 + attention) and the Qwen3.5-style one (Gated DeltaNet + gated attention).

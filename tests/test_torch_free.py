@@ -14,9 +14,9 @@ CONTROL_PLANE = (
     "serve.launch",
     "serve.__main__",
     "api.app",
-    "kv.nixl_peers",
+    "kv.nixl.peers",
     "kv.cache_layout",
-    "kv.transfer_stats",
+    "kv.nixl.transfer_stats",
 )
 WORKER_ONLY = ("torch", "safetensors", "nixl_cu12", "nixl")
 
@@ -37,4 +37,4 @@ def test_the_control_plane_imports_no_torch():
 
 
 def test_the_check_sees_torch_where_it_is_loaded():
-    assert "torch" in loaded_after_import(("actors.worker",))
+    assert "torch" in loaded_after_import(("worker.worker",))

@@ -10,13 +10,13 @@ import os
 import pytest
 import ray
 
-from actors.build import make_engine, worker_config
 from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
-from actors.config import Config
 from actors.engine_actor import RemoteEngine
-from actors.messages import EngineStats, SamplingParams
 from actors.worker_actor import RemoteWorker
-from tests.actors.test_engine import alone, serve_all, workload
+from engine.build import make_engine, worker_config
+from engine.config import Config
+from engine.messages import EngineStats, SamplingParams
+from tests.engine.test_core import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.ray_session import stop_actors
 

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from actors.messages import OutputBatch
 from actors.output_channel import OutputFeed, OutputServer
+from engine.messages import OutputBatch
 
 
 class Publisher:

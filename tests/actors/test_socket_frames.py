@@ -10,8 +10,11 @@ import pickle
 
 import pytest
 
-from actors.engine import EngineCore
-from actors.messages import (
+from actors.output_channel import OutputFeed, OutputServer
+from actors.socket_frames import PeerRefusedError, connected_socket, frame, listening_socket, loads, read_frame
+from actors.step_channel import StepChannel, StepServer, WorkerLostError
+from engine.core import EngineCore
+from engine.messages import (
     CachedRequestData,
     InvalidRequestError,
     ModelRunnerOutput,
@@ -21,11 +24,8 @@ from actors.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from actors.output_channel import OutputFeed, OutputServer
-from actors.socket_frames import PeerRefusedError, connected_socket, frame, listening_socket, loads, read_frame
-from actors.step_channel import StepChannel, StepServer, WorkerLostError
-from kv.nixl_scheduler import ConnectorMetadata, LoadSpec
-from kv.transfer_params import KVTransferParams
+from kv.nixl.scheduler import ConnectorMetadata, LoadSpec
+from kv.nixl.transfer_params import KVTransferParams
 
 
 def through(obj: object) -> object:

@@ -14,8 +14,8 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.step_channel import StepChannel, StepServer, WorkerLostError
+from engine.messages import ModelRunnerOutput, SchedulerOutput
 
 
 def step(step_id: int, tokens: int = 1) -> SchedulerOutput:

@@ -10,13 +10,13 @@ import pytest
 import ray
 import torch
 
-from actors.messages import ModelRunnerOutput, SchedulerOutput
 from actors.worker_actor import RemoteWorker, WorkerActor
-from actors.worker_config import WorkerConfig
-from tests.actors.test_worker import BLOCK, PROMPTS, Driver, make_worker
+from engine.messages import ModelRunnerOutput, SchedulerOutput
 from tests.huge_pages import huge_kib_at, thp_mode
 from tests.models.hf_fixtures import save_hf_model
 from tests.ray_session import stop_actors
+from tests.worker.test_worker import BLOCK, PROMPTS, Driver, make_worker
+from worker.config import WorkerConfig
 
 
 def assert_same(remote: list[ModelRunnerOutput], local: list[ModelRunnerOutput]) -> None:
@@ -94,7 +94,7 @@ def test_a_step_whose_predecessor_never_comes_times_out(checkpoint):
 
 @pytest.mark.skipif(thp_mode() != "madvise", reason="huge pages only on request (THP 'madvise') show the knob")
 def test_worker_kv_cache_sits_on_huge_pages(ray_cluster, checkpoint):
-    """A same-host READ walks the source's pages one by one (kv/host_pages.py): the worker's
+    """A same-host READ walks the source's pages one by one (kv/nixl/host_pages.py): the worker's
     cache asks for transparent huge pages, which this kernel gives only to memory that asks."""
     handle = RemoteWorker.remote(WorkerConfig(checkpoint, block_size=BLOCK, num_kv_blocks=8192), num_threads=1)
     try:

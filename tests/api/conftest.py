@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 from ray import serve
 
-from actors.config import Config
+from engine.config import Config
 from serve import launch
 from tests.models.hf_fixtures import save_hf_model
 from tests.ray_session import ray_session

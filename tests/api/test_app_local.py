@@ -11,11 +11,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.config import Config
-from actors.local_engine import build_local_engine
-from actors.messages import EngineOverloadedError, EngineStats, OutputBatch, RequestOutput
 from api import Engine, RoundRobinRouter, create_app
 from api.limits import MAX_BODY_BYTES
+from engine.config import Config
+from engine.local import build_local_engine
+from engine.messages import EngineOverloadedError, EngineStats, OutputBatch, RequestOutput
 
 KEY = "sk-local"
 

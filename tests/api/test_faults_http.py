@@ -27,8 +27,8 @@ import httpx
 import pytest
 import ray
 
-from actors.config import Config
 from actors.ports import free_port
+from engine.config import Config
 from serve.engines import NAMESPACE
 from tests.api.conftest import deployed
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from actors.config import Config
 from actors.ports import free_port
 from api.limits import MAX_BODY_BYTES
 from api.protocol import MAX_PROMPTS, MAX_TEXT_CHARS
+from engine.config import Config
 from tests.api.conftest import deployed
 from tests.api.test_server import wait_blocks_free
 

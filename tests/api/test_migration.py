@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from actors.client import EngineLostError
-from actors.local_engine import build_local_engine
-from actors.messages import RequestOutput, SamplingParams
 from api import Engine, RoundRobinRouter
 from api.migration import MigrationPolicy, Progress
+from engine.local import build_local_engine
+from engine.messages import RequestOutput, SamplingParams
 from tests.api.test_app_local import config
 
 PROMPT = [3, 14, 15, 92, 65, 35]

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
-from actors.config import Config
-from actors.local_engine import build_local_engine
 from actors.ports import free_port
 from api import Engine, RoundRobinRouter, create_app
+from engine.config import Config
+from engine.local import build_local_engine
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
 EXAMPLES = 120  # both routes, positive and negative

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import Config, ConfigError
 from api.protocol import MAX_N
+from engine.config import Config, ConfigError
 from serve.config import load_config
 from tests.api.test_app_local import config, run
 

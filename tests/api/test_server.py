@@ -15,10 +15,10 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.client import EngineCalls, EngineClient
-from actors.config import Config
-from actors.local_engine import build_local_engine
-from actors.messages import SamplingParams
 from actors.ports import free_port
+from engine.config import Config
+from engine.local import build_local_engine
+from engine.messages import SamplingParams
 from tests.api.conftest import deployed
 
 KEY = "sk-test"

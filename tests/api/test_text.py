@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.text import Detokenizer, StopBuffer, TemplateError, TextModel
-from models.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
+from training.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
 
 
 def byte_model(template: str | None = None) -> TextModel:

@@ -24,9 +24,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from actors.client import EngineCalls, EngineClient
-from actors.config import DEFAULT_MODEL, Config
-from actors.local_engine import build_local_engine
-from actors.messages import SamplingParams
+from engine.config import DEFAULT_MODEL, Config
+from engine.local import build_local_engine
+from engine.messages import SamplingParams
 from tests.cluster.netns import INNER_DEVICE, Network
 from tests.cluster.ray_nodes import (
     RAY,

@@ -16,7 +16,7 @@ def hf_model(request, tmp_path_factory):
 def decode_path(request, monkeypatch):
     """Run a test on the C++ CPU kernels and again on the torch path (the one a GPU takes), so
     both stay covered on a CPU-only machine."""
-    from models import cpu_kernels
+    from kernels.cpu import ops as cpu_kernels
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.reference import greedy_generate
 from kv.cache_buffers import allocate_caches
 from kv.cache_group import cdiv
 from kv.cache_layout import plan_layout
 from models.batch import SeqChunk, build_forward_batch
 from models.loader import load_model
+from models.reference import greedy_generate
 
 torch.manual_seed(0)
 PROMPTS = [torch.randint(2, 90, (n,)).tolist() for n in (37, 5, 64, 18)]

@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
-from actors.reference import greedy_generate
 from kv.cache_buffers import allocate_caches
 from kv.cache_group import cdiv
 from kv.cache_layout import plan_layout
 from models.batch import SeqChunk, build_forward_batch
 from models.loader import load_model
 from models.model_files import ModelLoadError
+from models.reference import greedy_generate
 from tests.models.hf_fixtures import save_hf_model
 
 VARIANTS = {

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from actors.ports import free_port
-from actors.reference import greedy_generate
 from kv.cache_buffers import allocate_caches
 from kv.cache_layout import plan_layout
 from models.batch import SeqChunk, build_forward_batch
 from models.loader import load_model
 from models.model_files import ModelLoadError
+from models.reference import greedy_generate
 from models.tensor_parallel import TPGroup, init_tp_group
 from tests.models.hf_fixtures import save_hf_model
 from tests.models.test_models import _fixed_blocks

@@ -13,12 +13,12 @@ import pytest
 import ray
 
 from actors.client import ActorSlot, EngineCalls, EngineClient
-from actors.config import Config
 from actors.engine_actor import RemoteEngine
-from actors.messages import SamplingParams
-from kv.compat import KVCompatError
+from engine.config import Config
+from engine.messages import SamplingParams
+from kv.nixl.compat import KVCompatError
 from serve.engines import EngineSupervisor, start_engines, stop_engines
-from tests.actors.test_engine import alone, workload
+from tests.engine.test_core import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, check_idle, run_pd, start_pd
 from tests.ray_session import stop_actors

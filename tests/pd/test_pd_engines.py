@@ -12,10 +12,10 @@ import pytest
 import ray
 
 from actors.client import ActorSlot, EngineCalls, EngineClient
-from actors.config import Config
 from actors.engine_actor import RemoteEngine
-from actors.messages import SamplingParams
-from tests.actors.test_engine import alone, workload
+from engine.config import Config
+from engine.messages import SamplingParams
+from tests.engine.test_core import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.ray_session import stop_actors
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.config import Config
-from tests.actors.test_engine import alone, workload
+from engine.config import Config
+from tests.engine.test_core import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, run_pd
 

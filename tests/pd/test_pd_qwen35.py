@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.config import Config
-from tests.actors.test_engine import alone, run_local, workload
+from engine.config import Config
+from tests.engine.test_core import alone, run_local, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import run_pd
 

@@ -2,15 +2,15 @@
 outputs equal one process's (colocated TP=1) for (prefill TP, decode TP) in (1,2), (2,1)
 and (2,2), the hybrid's loads checked by --kv-verify; the fix-off switch still breaks them;
 failed loads recompute; every block of every engine comes back. Ranks of unequal TP read
-head slices (kv/tp_slices.py)."""
+head slices (kv/nixl/tp_slices.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from actors.config import DEFAULT_MODEL, Config
-from tests.actors.test_engine import alone, workload
+from engine.config import DEFAULT_MODEL, Config
+from tests.engine.test_core import alone, workload
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, run_pd
 

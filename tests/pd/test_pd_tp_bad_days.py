@@ -12,10 +12,10 @@ import pytest
 import ray
 import torch
 
-from actors.config import DEFAULT_MODEL
 from actors.engine_actor import RemoteEngine
-from kv.compat import KVCompatError
-from tests.actors.test_engine import alone, workload
+from engine.config import DEFAULT_MODEL
+from kv.nixl.compat import KVCompatError
+from tests.engine.test_core import alone, workload
 from tests.pd.test_pd_bad_days import restart_prefill_and_read
 from tests.pd.test_pd_engines import DEVICE, run_pd
 from tests.pd.test_pd_tp import config

@@ -22,10 +22,10 @@ import ray
 import torch
 
 from actors.client import ActorSlot, EngineCalls, EngineClient
-from actors.config import DEFAULT_MODEL
 from actors.engine_actor import RemoteEngine
-from actors.messages import EngineStats, SamplingParams
-from tests.actors.test_engine import alone, workload
+from engine.config import DEFAULT_MODEL
+from engine.messages import EngineStats, SamplingParams
+from tests.engine.test_core import alone, workload
 from tests.pd.test_pd_engines import DEVICE
 from tests.pd.test_pd_tp import config
 from tests.ray_session import stop_actors

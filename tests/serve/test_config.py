@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import DEFAULT_MODEL, Config, ConfigError, format_size, parse_size
+from engine.config import DEFAULT_MODEL, Config, ConfigError, format_size, parse_size
 from serve.config import (
     add_cli_args,
     config_from,

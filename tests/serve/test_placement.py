@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.config import Config
+from engine.config import Config
 from serve.placement import LABEL_AMOUNT, NORMAL_PRIORITY, engine_options, worker_options
 
 PD_CLUSTER = {"CPU": 24.0, "GPU": 2.0, "prefill": 1.0, "decode": 1.0}

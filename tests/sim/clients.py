@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.client import EngineClient
-from actors.messages import RequestOutput, SamplingParams
+from engine.messages import RequestOutput, SamplingParams
 from tests.sim.workload import RequestSpec
 
 

@@ -1,7 +1,7 @@
 """The real engine, scheduler and KV manager, each driving its simulated workers (one per
 tensor-parallel rank, merged by the engine's real `RankMerger`).
 
-Built as actors/build.py builds them, with the simulated workers' `StepExecutor`s and the
+Built as engine/build.py builds them, with the simulated workers' `StepExecutor`s and the
 connector's lease clock on the loop's virtual time.
 """
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from actors.client import EngineCalls, EngineClient
-from actors.engine import EngineCore
-from actors.request import Request
-from actors.scheduler import Scheduler, SchedulerConfig
-from actors.scheduler_pd import DisaggConfig
-from actors.stop import StopChecker
+from engine.core import EngineCore
+from engine.pd import DisaggConfig
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
 from tests.sim.content import Provenance
 from tests.sim.fabric import Fabric

@@ -1,6 +1,6 @@
 """A fake NIXL between simulated workers: READs that land outside the compute stream.
 
-It keeps the real connector's contract (kv/nixl_worker.py): `start_load` is called when a
+It keeps the real connector's contract (kv/nixl/worker.py): `start_load` is called when a
 step is submitted, not on the compute stream; the READ lands at a seeded random moment,
 possibly before that step's queued zeroing runs, possibly several steps later; landing
 copies the prefill pages' content *as it is at that moment* (pages the prefill side has
@@ -14,7 +14,7 @@ Tensor parallelism (tests/sim/ranks.py): every rank has its own connector and me
 head it holds. A decode rank reads each of its heads from the prefill rank holding it and
 notifies each prefill rank it reads from; a prefill rank read by n decode ranks reports the
 request read once all n notified (the count travels with the notification, as in
-kv/nixl_worker.py). Each rank draws its own failure and landing time, so a load can fail
+kv/nixl/worker.py). Each rank draws its own failure and landing time, so a load can fail
 on one rank only and land at different moments on each.
 """
 
@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kv.transfer_params import KVTransferParams
+from kv.nixl.transfer_params import KVTransferParams
 from tests.sim.content import PageMemory
 from tests.sim.ranks import owner, readers
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv.block_pool import IntegrityError
-from kv.nixl_scheduler import LEASE_MARGIN_S
-from tests.actors.fake_worker import reference
+from kv.nixl.scheduler import LEASE_MARGIN_S
+from tests.engine.fake_worker import reference
 from tests.sim.clients import Outcome, Tally, colocated_request, pd_request
 from tests.sim.content import Provenance
 from tests.sim.engines import SimEngine, build_engine

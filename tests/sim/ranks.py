@@ -1,7 +1,7 @@
 """Tensor parallelism in the simulation: which KV heads a rank holds, and the all-reduce that
 ends every TP forward.
 
-Every cache page of a real rank holds only its share of the heads (kv/tp_slices.py), and
+Every cache page of a real rank holds only its share of the heads (kv/nixl/tp_slices.py), and
 each of the model's `KV_HEADS` heads (the tiny model's count) belongs to exactly one rank of
 an engine (TP <= KV_HEADS here, so none is replicated). A simulated rank keeps one
 `PageMemory` per head it holds: a page one rank zeroed, or left unread after a failed load,

@@ -1,4 +1,4 @@
-"""A content-tracking stand-in for `actors.worker.Worker` (same duck type: `execute_model`
+"""A content-tracking stand-in for `worker.worker.Worker` (same duck type: `execute_model`
 returning a future of `ModelRunnerOutput`, and `with_finished_transfers`).
 
 Each step becomes a job on a simulated compute stream that runs the jobs in order, each after
@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from actors.messages import ModelRunnerOutput, SchedulerOutput
+from engine.messages import ModelRunnerOutput, SchedulerOutput
 from kv.cache_group import CacheGroup, cdiv
-from tests.actors.fake_worker import VOCAB, next_token
+from tests.engine.fake_worker import VOCAB, next_token
 from tests.sim.content import PageMemory, Provenance, extend_prefix_hashes
 from tests.sim.fabric import Fabric, SimConnector
 from tests.sim.forward import BadRead, ChunkContext, run_chunk

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from actors.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from engine.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from kv.cache_group import CacheGroup
-from kv.transfer_params import KVTransferParams
-from tests.actors.fake_worker import VOCAB, next_token
+from kv.nixl.transfer_params import KVTransferParams
+from tests.engine.fake_worker import VOCAB, next_token
 from tests.sim.content import KV, Mark, PageMemory, Provenance, State, extend_prefix_hashes
 from tests.sim.fabric import Fabric, TransferTiming
 from tests.sim.forward import ChunkContext, run_chunk

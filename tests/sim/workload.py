@@ -18,7 +18,7 @@ from tests.sim.fabric import TransferTiming
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
-TOKEN_RANGE = (2, 50)  # within tests.actors.fake_worker.VOCAB
+TOKEN_RANGE = (2, 50)  # within tests.engine.fake_worker.VOCAB
 # A sampled EOS ends a request before max_tokens, which the scheduler cannot foresee: under
 # async scheduling a step for its next token is then already in flight.
 EOS = 7

@@ -1,0 +1,260 @@
+"""The engine loop: schedule a step, hand it to every worker, apply the result.
+
+With async scheduling two steps are in flight: step N+1 is scheduled and submitted while
+step N runs, so the workers never wait for the scheduler. The loop is asyncio so that one
+Ray actor can run it and still take requests and aborts; workers are reached through
+`StepExecutor`s (an in-process `Worker`, or a Ray worker actor), so the same code runs in
+one process for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from engine.messages import (
+    ENGINE_FAILURE,
+    EngineFailedError,
+    EngineOverloadedError,
+    EngineStats,
+    InvalidRequestError,
+    ModelRunnerOutput,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from engine.phases import RequestPhases
+from engine.rank_merge import RankMerger
+from engine.request import Request
+from engine.scheduler import Scheduler
+from kv.nixl.transfer_params import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+# Called synchronously when a step is dispatched (so steps reach each worker in order);
+# the awaitable resolves with the worker's result.
+_POLL_INTERVAL_S = 0.002
+_STALL_RECHECK_S = 0.05
+
+StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executors: Sequence[StepExecutor],
+        async_scheduling: bool,
+        eos_token_id: int | None,
+        max_waiting: int = 1 << 30,
+    ) -> None:
+        if not executors:
+            raise ValueError("an engine needs at least one worker")
+        self.scheduler = scheduler
+        self.executors = list(executors)
+        # One executor per tensor-parallel rank: their results become one (engine/rank_merge.py).
+        self.merger = RankMerger(len(self.executors))
+        self.depth = 2 if async_scheduling else 1
+        self.eos_token_id = eos_token_id
+        self.max_waiting = max_waiting
+        self._outputs: list[OutputBatch] = []
+        self._has_outputs = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[list[ModelRunnerOutput]]]] = deque()
+        self._failure: BaseException | None = None
+        self.num_steps = 0
+        self.phases = RequestPhases()
+
+    # -- client side ------------------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        do_remote_decode: bool = False,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError for one the engine cannot serve.
+
+        `do_remote_decode` (prefill engine): compute the prompt but its last token, answer
+        with `kv_transfer_params`, keep the blocks for the decode side. The decode side
+        recomputes that last token itself, which also gives it the logits for the first
+        output token, and a hybrid model's Mamba state is then exactly the state after
+        prompt[:-1]. `kv_transfer_params` (decode engine): load that KV instead of computing it.
+        """
+        if self._failure is not None:
+            raise EngineFailedError(f"engine failed: {self._failure!r}")
+        params = KVTransferParams.from_dict(kv_transfer_params) if kv_transfer_params else None
+        try:
+            sampling.validate()
+            if len(self.scheduler.waiting) >= self.max_waiting:
+                raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+            prompt = list(prompt_token_ids)
+            if do_remote_decode:
+                self.scheduler.check_length(len(prompt), sampling.max_tokens)  # before any prefill work
+                prompt = prompt[:-1]
+                sampling = dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
+                if not prompt:
+                    self._publish(OutputBatch(others=[self._empty_hand_over(req_id)]))
+                    return
+            self.scheduler.add_request(
+                Request(
+                    req_id,
+                    prompt,
+                    sampling,
+                    self.eos_token_id,
+                    kv_transfer_params=params,
+                    do_remote_decode=do_remote_decode,
+                )
+            )
+            self.phases.arrived(req_id)
+        except (InvalidRequestError, EngineOverloadedError) as e:
+            duplicate = getattr(e, "param", None) == "request_id"  # the live request's KV is not ours to drop
+            if params is not None and self.scheduler.connector is not None and not duplicate:
+                self.scheduler.connector.notify_abandoned(params)  # so the prefill side frees now
+                self._ensure_running()
+                self._wake.set()
+            raise
+        self._ensure_running()
+        self._wake.set()
+
+    def _empty_hand_over(self, req_id: str) -> RequestOutput:
+        """A one-token prompt: nothing to prefill; the decode side computes it all."""
+        s = self.scheduler
+        params = KVTransferParams(s.pd.engine_id, s.pd.agent_name, tuple(() for _ in s.kv.groups), 0, req_id)
+        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params.to_dict())
+
+    def abort(self, req_id: str) -> None:
+        out = self.scheduler.abort(req_id)
+        if out is not None:
+            self._publish(OutputBatch(others=[out]))
+        self._wake.set()
+
+    async def get_outputs(self, timeout: float | None = None) -> list[OutputBatch]:
+        """Everything produced since the last call: one batch per step for all requests, to be
+        applied in order."""
+        if not self._outputs:
+            try:
+                await asyncio.wait_for(self._has_outputs.wait(), timeout)
+            except TimeoutError:
+                return []
+        out, self._outputs = self._outputs, []
+        self._has_outputs.clear()
+        return out
+
+    def stats(self) -> EngineStats:
+        """Raises once the loop has failed, so health checks see a dead engine."""
+        if self._failure is not None:
+            raise EngineFailedError(f"engine failed: {self._failure!r}")
+        s = self.scheduler
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            s.kv.num_blocks,
+            s.kv.num_free_blocks,
+            s.blocks_zeroed,
+            s.blocks_skipped,
+            {
+                "steps": self.num_steps,
+                "preemptions": s.num_preemptions,
+                "loading": len(s.loading),
+                "held_for_decode": s.num_held,
+                "failed_loads": s.num_failed_loads,
+                "expired_leases": s.num_expired_leases,
+                "rank_merge_partial": self.merger.num_partial,
+                "phases": self.phases.snapshot(),
+            },
+        )
+
+    async def wait_idle(self) -> None:
+        """Until no request is left and every fenced block is back in the pool."""
+        while self.scheduler.has_work() or self._in_flight:
+            if self._failure is not None:
+                raise EngineFailedError(f"engine failed: {self._failure!r}")
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # -- loop -------------------------------------------------------------------------
+
+    def _publish(self, batch: OutputBatch) -> None:
+        if batch:
+            self.phases.outputs(batch)
+            self._outputs.append(batch)
+            self._has_outputs.set()
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a worker died or a step failed: fail every request loudly
+            log.exception("engine loop failed")
+            self._failure = e
+            self._in_flight.clear()
+            self._fail_all(repr(e))
+
+    async def _loop(self) -> None:
+        flight = self._in_flight
+        while True:
+            self._wake.clear()
+            if len(flight) < self.depth and self.scheduler.has_work():
+                out = self.scheduler.schedule()
+                if ended := self.scheduler.take_outputs():
+                    self._publish(OutputBatch(others=ended))
+                if out is not None:
+                    self.phases.scheduled(out.num_scheduled_tokens)
+                    flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
+                    continue
+            if flight:
+                out, fut = flight[0]
+                results = await fut
+                # Popped only once applied: until then `wait_idle` must see the step in flight.
+                flight.popleft()
+                self.num_steps += 1
+                self._publish(self.scheduler.update_from_output(out, self.merger.merge(results)))
+                self.merger.forget_sent(self.scheduler.is_held)
+                if not out.num_scheduled_tokens:
+                    await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
+                continue
+            if not self.scheduler.has_work():
+                await self._wake.wait()
+                continue
+            # Work that cannot run yet with no step in flight (it waits on time: a lease, a
+            # transfer) must still be looked at again without a wake-up.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _STALL_RECHECK_S)
+
+    def _fail_all(self, why: str) -> None:
+        failed = []
+        for req_id in list(self.scheduler.requests):
+            out = self.scheduler.abort(req_id)
+            if out is not None:
+                failed.append(
+                    RequestOutput(
+                        req_id,
+                        out.new_token_ids,
+                        None,
+                        "error",
+                        out.num_prompt_tokens,
+                        out.num_output_tokens,
+                        error=ENGINE_FAILURE + why,
+                    )
+                )
+        self._publish(OutputBatch(others=failed))

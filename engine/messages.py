@@ -1,0 +1,235 @@
+"""Typed messages between the scheduler, its workers and the engine's clients.
+
+Each step the scheduler sends one `SchedulerOutput` to every worker and gets one
+`ModelRunnerOutput` back; clients get one `OutputBatch` per step. They are plain dataclasses of
+ints, strings and lists, so they cross Ray without pickling anything but data. Workers keep
+the token history of every running request themselves, so after a request's first step
+only counts and new block ids travel, and a decode step under async scheduling can name a
+token the scheduler has not seen yet (it is still being sampled by the previous step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv.nixl.scheduler import ConnectorMetadata
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the bad value (HTTP 400 upstream)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later (HTTP 503)."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine's step loop failed: it serves nothing more until its supervisor replaces it."""
+
+
+# The error text of the requests an engine ends when its step loop fails: the ingress knows by
+# it that the request itself was fine and can be resumed on another engine.
+ENGINE_FAILURE = "engine failure: "
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+# top_k beyond the vocabulary means "off"; the sampler clamps it. The bound keeps it a C int.
+MAX_TOP_K = 2**31 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    # Draws already taken from this request's seeded random stream: a request resumed on
+    # another engine after its own was lost goes on with the stream where it stopped.
+    random_offset: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        # Below this, logits / temperature overflows float32 to inf and NaN: such a request
+        # would sample garbage. It is greedy for every practical purpose, so it is greedy.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def validate(self) -> None:
+        """Refuse what the sampler cannot run; the engine checks again at admission, because
+        a request that fails inside a step costs that step's other requests their work."""
+        checks = (
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer of at least 1"),
+            ("temperature", _is_number(self.temperature) and 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            (
+                "top_k",
+                _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+                f"must be an integer in [0, {MAX_TOP_K}] (0 disables it)",
+            ),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            (
+                "seed",
+                self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+                "must fit a signed 64-bit integer",
+            ),
+            ("random_offset", _is_int(self.random_offset) and self.random_offset >= 0, "must be an integer >= 0"),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r} {why}", param=name)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request's first step on a worker: everything the worker keeps for it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[list[int]]  # one list per cache group
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A later step of a request the worker already knows."""
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[list[int]]  # appended per group; the full lists when `resumed`
+    resumed: bool = False  # re-scheduled after preemption: blocks replaced, KV recomputed
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: list[str]  # the worker forgets these before running the step
+    # Attention blocks the worker zeroes on its compute stream before this step's forward;
+    # None when nothing is to be zeroed (or the model has no Mamba pages to go stale).
+    new_block_ids_to_zero: list[int] | None
+    kv_connector_meta: ConnectorMetadata | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    sampled: dict[str, int]  # requests whose scheduled chunk reached their last known token
+    logprobs: dict[str, float] = field(default_factory=dict)
+    num_zeroed_blocks: int = 0
+    # KV transfers that ended since the last step (NIXL connector): requests whose pages a
+    # decode side has read from this (prefill) worker, loads into this (decode) worker that
+    # landed, and loads that failed with the local block ids left invalid.
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
+    # Requests this worker could not run (a bad message, a failed forward or sampling): each
+    # fails alone with the reason; the rest of the step ran.
+    failed_reqs: dict[str, str] = field(default_factory=dict)
+    # A prefill engine under --kv-verify: per request handed over in this step, per prefill
+    # rank (a worker gives its own), per decode rank, per cache group, one checksum per block,
+    # taken right after the forward (kv/nixl/verify.py; the `Checksums` of kv/nixl/transfer_params.py).
+    kv_checksums: dict[str, list[list[list[list[int]]]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens of one request since its last output; `finish_reason` set on the last one."""
+
+    req_id: str
+    new_token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer
+
+
+# The slots' own setters, which skip the frozen check: see `request_output`.
+_SET_REQUEST_OUTPUT = tuple(getattr(RequestOutput, f.name).__set__ for f in fields(RequestOutput))
+
+
+def request_output(
+    req_id: str,
+    new_token_ids: list[int],
+    logprobs: list[float] | None,
+    finish_reason: str | None,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    error: str | None,
+) -> RequestOutput:
+    """`RequestOutput(...)` without `kv_transfer_params`, the same object built in half the
+    time. A client builds one per running request per step from an `OutputBatch`, and a frozen
+    dataclass's `__init__` sets every field through `object.__setattr__`, which looks each one
+    up again."""
+    out = object.__new__(RequestOutput)
+    s_id, s_new, s_logprobs, s_reason, s_prompt, s_output, s_error, s_params = _SET_REQUEST_OUTPUT
+    s_id(out, req_id)
+    s_new(out, new_token_ids)
+    s_logprobs(out, logprobs)
+    s_reason(out, finish_reason)
+    s_prompt(out, num_prompt_tokens)
+    s_output(out, num_output_tokens)
+    s_error(out, error)
+    s_params(out, None)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """What one step (or one abort) produced for the clients. The common decode step, one new
+    token for a request that goes on, travels as parallel flat lists (`req_ids[i]` got
+    `token_ids[i]`, its `num_output_tokens[i]`-th output): no object per request and step for
+    the scheduler to build and Ray to pickle. Everything else (a finish, an error, logprobs, a
+    hand-over) is a whole `RequestOutput` in `others`, which comes after the tokens: a request
+    in both got its token first."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    others: list[RequestOutput] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids) + len(self.others)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Every output as a `RequestOutput`, in the order a client must apply them."""
+        for req_id, token, num_prompt, num_output in zip(
+            self.req_ids, self.token_ids, self.num_prompt_tokens, self.num_output_tokens, strict=True
+        ):
+            yield request_output(req_id, [token], None, None, num_prompt, num_output, None)
+        yield from self.others
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int
+    blocks_zeroed: int
+    blocks_skipped: int
+    extra: dict[str, Any] = field(default_factory=dict)

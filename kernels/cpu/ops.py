@@ -1,0 +1,248 @@
+"""The C++ CPU kernels (kernels/cpu/csrc/cpu_kernels.cpp), built on first use.
+
+On a CPU a decode step's attention gathered every request's K/V pages into one tensor and
+then read the copy again, and Mamba2 ran a chunked scan of ~25 small ops per prefill chunk.
+The kernels (paged decode attention, K/V writes, Mamba2's convolution and recurrence over a
+step's tokens, RMS norm) read pages and states where they lie, in one call each
+(docs/design.md §13). They are compiled once per source into `.venv/torch_extensions` (about a
+minute; `make setup` does it, so engines start with them built). Where no compiler works the
+engines run the torch path, which is also the path on a GPU, and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import platform
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+
+
+class _Switch:
+    """Whether this process runs the kernels: a worker sets it from its config (`--no-cpu-kernels`
+    runs the torch path on a CPU too, to compare the two)."""
+
+    on = True
+
+
+def enable(on: bool) -> None:
+    """Turn the kernels on or off for this process; on loads (or builds) them now, so that the
+    first step does not pay for it."""
+    _Switch.on = on
+    if on:
+        load()
+
+
+def _cpu_flags() -> list[str]:
+    """AVX2 and FMA where this CPU has them: the kernels' inner loops are 64-float dot
+    products and updates, twice as wide as with the SSE2 that x86-64 guarantees. Not
+    `-march=native`, so a build stays usable on another x86-64 host with AVX2."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+
+
+def _build_dir() -> Path:
+    """Beside the interpreter's environment, one per source: checkouts of different sources
+    sharing an environment (a benchmark's A/B) would otherwise rebuild over each other."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(sys.prefix) / "torch_extensions" / f"raypd_cpu_kernels_{digest}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@cache
+def load() -> ModuleType | None:
+    """The compiled kernels, or None where they cannot be built.
+
+    torch guards a build with a lock file that a killed build leaves behind, and every later
+    load then waits on it forever (an interrupted `make setup` would hang every engine's
+    start). So builds here are serialised by an `flock` on a file of our own, which the kernel
+    drops when its holder dies: whoever holds it knows a torch lock file it finds is stale.
+    The source is built from a copy in the build directory, the same path for every checkout
+    of that source: torch's build file names the source's path, and two checkouts sharing an
+    environment would otherwise each find the other's build out of date."""
+    from torch.utils.cpp_extension import load as build
+
+    root = _build_dir()
+    try:
+        with open(root / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (root / "lock").unlink(missing_ok=True)
+            source = root / _SOURCE.name
+            if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
+                shutil.copyfile(_SOURCE, source)
+            return build(
+                name="raypd_cpu_kernels",
+                sources=[str(source)],
+                extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp", *_cpu_flags()],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(root),
+            )
+    except (OSError, RuntimeError, ImportError) as exc:
+        log.warning("CPU kernels unavailable, running the torch path: %s", exc)
+        return None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on the CPU, none needing a gradient (the
+    kernels have no backward; training keeps the torch ops), and the kernels built."""
+    if not all(t.device.type == "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return _Switch.on and load() is not None
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """Each new token's K and V [N, KVH, D], in the caches' dtype, into slot (blocks[i],
+    offsets[i]) of the pages [blocks, block_size, KVH, D]."""
+    kernels = load()
+    assert kernels is not None, "write_kv called without usable() kernels"
+    kernels.write_kv(k_cache, v_cache, k, v, blocks, offsets)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per request, q: [R, H, D], over pages [blocks, block_size, KVH, D] through
+    `table` [R, W]; request r sees slots 0..positions[r]. Returns [R, H, D]."""
+    kernels = load()
+    assert kernels is not None, "paged_decode_attention called without usable() kernels"
+    return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, positions, scale)
+
+
+Spans = tuple[torch.Tensor, torch.Tensor]
+"""Which flat tokens each request owns and whether it starts from an empty state:
+(starts int64 [R + 1], fresh bool [R]). Without spans each request has one token and continues
+the state in its slot (a decode step)."""
+
+
+def causal_conv(
+    conv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spans: Spans | None = None,
+) -> torch.Tensor:
+    """The causal depthwise convolution of Mamba2 and Gated DeltaNet over each request's tokens,
+    then silu, its state [blocks, C, K - 1] (fp32) advanced in place. x: [N, C] fp32. Returns [N, C]."""
+    kernels = load()
+    assert kernels is not None, "causal_conv called without usable() kernels"
+    starts, fresh = spans if spans is not None else (None, None)
+    return kernels.causal_conv(conv_cache, slots, x, weight, bias, starts, fresh)
+
+
+def mamba_ssm(
+    ssm_cache: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
+    b: torch.Tensor,
+    c: torch.Tensor,
+    spans: Spans | None = None,
+) -> torch.Tensor:
+    """The Mamba2 recurrence over each request's tokens in turn, in its state slot [blocks, H, P,
+    N] (fp32): `step = max(softplus(dt + dt_bias), dt_min)`, `S = exp(step a) S + step x b^T`,
+    `y = S c + D x`. params: (dt_bias, a, D, dt_min); x [N, H, P]; dt [N, H]; b, c [N, G, N],
+    all fp32. Returns y [N, H, P]."""
+    kernels = load()
+    assert kernels is not None, "mamba_ssm called without usable() kernels"
+    dt_bias, a, d, dt_min = params
+    starts, fresh = spans if spans is not None else (None, None)
+    return kernels.mamba_ssm_scan(
+        ssm_cache,
+        slots,
+        x.contiguous(),
+        dt.contiguous(),
+        dt_bias,
+        a,
+        d,
+        b.contiguous(),
+        c.contiguous(),
+        dt_min,
+        starts,
+        fresh,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`F.rms_norm` over the last dim of an fp32 CPU tensor, with or without a weight."""
+    kernels = load()
+    assert kernels is not None, "rms_norm called without usable() kernels"
+    if x.dim() in (2, 3) and x.stride(-1) == 1:
+        return kernels.rms_norm(x, weight, eps)
+    return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """`weight * rms_norm(x * silu(gate))` per group of `group` channels, in one pass over fp32
+    CPU [rows, D] tensors whose rows may be strided."""
+    kernels = load()
+    assert kernels is not None, "gated_rms_norm called without usable() kernels"
+    return kernels.gated_rms_norm(x, gate, weight, group, eps)
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, vector_bits: int = 0
+) -> torch.Tensor:
+    """`x @ W.T + bias` for fp32 CPU rows x [..., in], W held as `panels` [blocks, kp, nb] (see
+    `kernels.cpu.onednn_panels`); for a few rows, where it outruns oneDNN on the same buffer.
+    `vector_bits` (256 or 512) picks the kernel's vector width; 0 takes the widest this CPU has."""
+    kernels = load()
+    assert kernels is not None, "panel_linear called without usable() kernels"
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    bits = vector_bits or panel_vector_bits()
+    return kernels.panel_linear(rows, panels, bias, out_features, bits).view(*x.shape[:-1], out_features)
+
+
+@cache
+def panel_vector_bits() -> int:
+    """The widest vectors `panel_linear` has on this CPU: 512 (AVX-512) or 256 bits."""
+    kernels = load()
+    assert kernels is not None, "panel_vector_bits called without usable() kernels"
+    return int(kernels.panel_vector_bits())
+
+
+def panel_row_limit() -> int:
+    """Up to how many rows `panel_linear` beats oneDNN on this CPU (the model's shapes, weights
+    streamed from memory, one core): with AVX-512 1.3-2.1x at one to six rows and 1.2x at eight,
+    even at twelve; with AVX2 1.7-1.9x at one and two rows, behind from four."""
+    return 8 if panel_vector_bits() == 512 else 2
+
+
+if __name__ == "__main__":
+    if load() is None:
+        raise SystemExit("the CPU kernels did not build (see the warning above)")
+    print(f"CPU kernels built in {_build_dir()}")

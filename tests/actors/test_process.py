@@ -1,0 +1,72 @@
+"""`--worker-cpus`: the list is parsed and shared out among TP ranks, a bad one is a config error
+naming it, the compute stream's thread runs on its CPUs, and a process keeping off them runs on
+the rest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from actors.process import parse_cpus, rank_cpus
+from engine.config import Config, ConfigError
+from worker.compute_stream import ComputeStream
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    "text, cpus", [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("0-1,6", (0, 1, 6)), (" 2 , 4-5", (2, 4, 5))]
+)
+def test_cpu_lists_parse(text, cpus):
+    assert parse_cpus(text) == cpus
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("a", "not a CPU"), ("1,,2", "not a CPU"), ("-1", "not a CPU"), ("3-1", "backwards"), ("1,1", "twice")],
+)
+def test_bad_cpu_lists_are_config_errors_naming_the_value(text, why):
+    with pytest.raises(ConfigError, match=f"invalid worker_cpus {text!r}: .*{why}") as e:
+        Config(worker_cpus=text)
+    assert e.value.field == "worker_cpus"
+
+
+def test_tensor_parallel_ranks_share_the_list_out():
+    assert [rank_cpus((0, 1, 2, 3), r, 2) for r in range(2)] == [(0, 1), (2, 3)]
+    with pytest.raises(ConfigError, match="2 CPUs cannot be shared out among 4"):
+        Config(worker_cpus="0-1", tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="1 CPUs cannot be shared out among 2"):
+        Config(worker_cpus="0", prefill=1, decode_tp=2)
+
+
+def test_the_compute_stream_thread_runs_on_its_cpus_and_its_creator_does_not():
+    stream = ComputeStream("cpu", cpus=(CPUS[-1],))
+    try:
+        assert stream.submit(os.sched_getaffinity, 0).result() == {CPUS[-1]}
+    finally:
+        stream.close()
+    assert sorted(os.sched_getaffinity(0)) == CPUS
+
+
+def test_cpus_the_node_lacks_are_refused_before_any_thread_starts():
+    with pytest.raises(ValueError, match=r"worker_cpus \[4096\]: this node offers CPUs"):
+        ComputeStream("cpu", cpus=(4096,))
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="keeping off a CPU needs another one")
+def test_a_process_keeping_off_the_workers_cpus_runs_on_the_rest():
+    code = (
+        "import os, threading\n"
+        "from actors.process import keep_off\n"
+        "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start()\n"
+        f"keep_off(({CPUS[-1]},))\n"
+        "tids = os.listdir('/proc/self/task')\n"
+        "print(all(os.sched_getaffinity(int(t)) == os.sched_getaffinity(0) for t in tids), sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(
+        maxsplit=1
+    )
+    assert out == ["True", str(CPUS[:-1]) + "\n"]
