@@ -25,13 +25,14 @@ class Linear(nn.Linear):
     machine's AMD EPYC the packed oneDNN matmul was 1.2x faster at one row (a decode step at
     batch 1 streams every weight once), 1.5-1.9x at 4-16 rows and 1.05-1.3x at 64-1024, with
     the weights out of cache. Unpacked (training, half precision, other devices) it is
-    `nn.Linear` as is: oneDNN's op has no autograd."""
+    `nn.Linear` as is: oneDNN's op has no autograd. Where the installed `KernelChoice` runs
+    panel_linear, a few rows (a decode step) read the packed buffer with that kernel instead
+    (docs/design.md §13)."""
 
     packed: torch.Tensor | None = None
-    # `packed`'s own buffer as the few-row kernel reads it, where the CPU kernels run, and up to
-    # how many rows the kernel takes (more go to oneDNN).
+    # `packed`'s own buffer as the few-row kernel reads it (a view that holds `packed`), where
+    # the installed kernel choice runs panel_linear and the buffer is the checked layout.
     panels: torch.Tensor | None = None
-    panel_rows = 0
 
     def pack(self, keep_weight: bool) -> None:
         """Lay the weight out for oneDNN. The plain weight is then dead weight in memory and is
@@ -39,15 +40,17 @@ class Linear(nn.Linear):
         shares the embedding's)."""
         weight = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
-        self.panels = panels_of(self.packed, weight) if cpu_kernels.usable() else None
-        self.panel_rows = cpu_kernels.panel_row_limit() if self.panels is not None else 0
+        self.panels = panels_of(self.packed, weight) if cpu_kernels.installed().panel_rows else None
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if self.panels is not None and x.numel() <= self.panel_rows * self.in_features and cpu_kernels.usable():
-                return cpu_kernels.panel_linear(x, self.panels, self.bias, self.out_features)
+            if self.panels is not None:
+                # Up to the installed choice's row limit (none where it turned the kernels off).
+                kernels = cpu_kernels.installed()
+                if x.numel() <= kernels.panel_rows * self.in_features:
+                    return cpu_kernels.panel_linear(x, self.panels, self.bias, self.out_features, kernels.vector_bits)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -123,6 +126,19 @@ def pack_linears(model: nn.Module) -> None:
         weight = module.weight if isinstance(module, Linear) else None
         if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             module.pack(keep_weight=uses[id(weight)] > 1)
+
+
+def panel_fallbacks(model: nn.Module) -> list[str]:
+    """The packed Linears that panel_linear does not read, their buffers not the checked layout
+    (oneDNN runs them at every row count), for the worker's start-up log; none where the
+    installed choice runs no panel_linear."""
+    if not cpu_kernels.installed().panel_rows:
+        return []
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.packed is not None and module.panels is None
+    ]
 
 
 class RMSNorm(nn.Module):

@@ -39,6 +39,7 @@ from kv.nixl.worker import NixlWorkerConnector
 from models.batch import SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.dtypes import DTYPE_BYTES, dtype_name
+from models.layers import panel_fallbacks
 from models.loader import load_model
 from models.model_files import load_config
 from models.tensor_parallel import init_tp_group
@@ -84,7 +85,8 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = resolve_device(cfg.device)
-        cpu_kernels.enable(cfg.cpu_kernels and self.device.type == "cpu")
+        # Decided once, before the model is packed (its Linears take their panels by it).
+        self.kernels = cpu_kernels.install(cpu_kernels.decide(cfg.cpu_kernels, self.device))
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and DTYPE_BYTES[self.full_config.dtype] < 4:
@@ -94,6 +96,7 @@ class Worker:
             cfg.model_dir, dtype=getattr(torch, weights) if weights else None, device=self.device, tp=self.tp
         )
         self.model = loaded.model
+        log.info("%s", cpu_kernels.summary(self.kernels, panel_fallbacks(self.model)))
         self.config: ModelConfig = loaded.config  # this rank's share under tensor parallelism
         cache_dtype = parse_dtype(cfg.kv_cache_dtype) or dtype_name(next(self.model.parameters()).dtype)
         block_size = cfg.block_size or auto_block_size(self.full_config, cache_dtype)

@@ -7,6 +7,10 @@ step's tokens, RMS norm) read pages and states where they lie, in one call each
 (docs/design.md §13). They are compiled once per source into `.venv/torch_extensions` (about a
 minute; `make setup` does it, so engines start with them built). Where no compiler works the
 engines run the torch path, which is also the path on a GPU, and say so once in the log.
+
+Which kernels run is a `KernelChoice`, decided once when a worker starts (`decide`, from its
+config and the CPU), installed once for its process (`install`) and said in its start-up log
+(`summary`); every layer reads that one frozen value.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import logging
 import platform
 import shutil
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -28,19 +35,17 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 
 
-class _Switch:
-    """Whether this process runs the kernels: a worker sets it from its config (`--no-cpu-kernels`
-    runs the torch path on a CPU too, to compare the two)."""
-
-    on = True
-
-
-def enable(on: bool) -> None:
-    """Turn the kernels on or off for this process; on loads (or builds) them now, so that the
-    first step does not pay for it."""
-    _Switch.on = on
-    if on:
-        load()
+@cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (avx2, fma, avx512f, ...); none
+    where it cannot be read."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(
+        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    )
 
 
 def _cpu_flags() -> list[str]:
@@ -49,12 +54,7 @@ def _cpu_flags() -> list[str]:
     `-march=native`, so a build stays usable on another x86-64 host with AVX2."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_features() else []
 
 
 def _build_dir() -> Path:
@@ -66,9 +66,14 @@ def _build_dir() -> Path:
     return root
 
 
-@cache
 def load() -> ModuleType | None:
-    """The compiled kernels, or None where they cannot be built.
+    """The compiled kernels, or None where they cannot be built (`_built` says why)."""
+    return _built()[0]
+
+
+@cache
+def _built() -> tuple[ModuleType | None, str]:
+    """The compiled kernels, or None and why they are not.
 
     torch guards a build with a lock file that a killed build leaves behind, and every later
     load then waits on it forever (an interrupted `make setup` would hang every engine's
@@ -87,26 +92,120 @@ def load() -> ModuleType | None:
             source = root / _SOURCE.name
             if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
                 shutil.copyfile(_SOURCE, source)
-            return build(
+            kernels = build(
                 name="raypd_cpu_kernels",
                 sources=[str(source)],
                 extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp", *_cpu_flags()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(root),
             )
+            return kernels, f"built and loaded from {root}"
     except (OSError, RuntimeError, ImportError) as exc:
         log.warning("CPU kernels unavailable, running the torch path: %s", exc)
-        return None
+        first_line = next(iter(str(exc).splitlines()), "")
+        return None, f"the build failed ({type(exc).__name__}: {first_line})"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """Which CPU kernels a worker runs, decided once when it starts (`decide`) and installed once
+    for its process (`install`).
+
+    One frozen value, not a switch any caller could flip at run time: whether the kernels run,
+    panel_linear's vector width and its row limit were three pieces of state (a class
+    attribute, the CPU read at every call, the panels each Linear took when packed) that could
+    disagree, and none said why. A process runs, for its whole life, the kernels its start-up
+    line named (`summary`)."""
+
+    on: bool  # the C++ kernels run wherever the tensors allow (`usable`)
+    why: str  # why they are on or off, for the start-up log
+    vector_bits: int = 0  # panel_linear's vector width: 512 (AVX-512) or 256
+    panel_rows: int = 0  # up to how many rows a packed Linear takes panel_linear; 0: never
+
+
+def decide(requested: bool, device: torch.device | str = "cpu") -> KernelChoice:
+    """The kernels a worker on `device` runs: on a CPU, unless its config turned them off
+    (`--no-cpu-kernels`) or they did not build; the widest vectors this CPU has; panel_linear
+    up to its row limit where oneDNN packs the weights it reads."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return KernelChoice(False, f"the device is {device.type}, the torch path")
+    if not requested:
+        return KernelChoice(False, "--no-cpu-kernels, the torch path")
+    kernels, why = _built()
+    if kernels is None:
+        return KernelChoice(False, f"{why}, the torch path")
+    bits = panel_vector_bits()
+    rows = panel_row_limit(bits) if torch.backends.mkldnn.is_available() else 0
+    return KernelChoice(True, why, bits, rows)
+
+
+_installed: KernelChoice | None = None
+
+
+def install(choice: KernelChoice) -> KernelChoice:
+    """Make `choice` this process's, before its model is loaded (a Linear takes its panels when
+    packed). A worker installs the one it decided, once: a process holds one worker (a Ray
+    actor, or the in-process engine), so the choice is the worker's. Returns `choice`."""
+    global _installed
+    _installed = choice
+    return choice
+
+
+def installed() -> KernelChoice:
+    """The process's choice; where no worker installed one (tests, scripts, training), the
+    kernels on, as `decide(True)` finds this CPU."""
+    return _installed if _installed is not None else _default()
+
+
+@cache
+def _default() -> KernelChoice:
+    return decide(True)
+
+
+@contextmanager
+def using(choice: KernelChoice | None = None) -> Iterator[KernelChoice]:
+    """Tests: `choice` installed for the block (None: the current one, for a block that installs
+    its own, as a Worker does), and the process's previous choice back after it."""
+    global _installed
+    before = _installed
+    try:
+        yield install(choice) if choice is not None else installed()
+    finally:
+        _installed = before
+
+
+def summary(choice: KernelChoice, fallbacks: Sequence[str] = ()) -> str:
+    """The worker's start-up line: whether the C++ kernels run and why, their vector width,
+    and panel_linear's row limit with the packed layers it does not read (`fallbacks`: their
+    buffers were not the checked layout, so oneDNN runs them at every row count)."""
+    if not choice.on:
+        return f"CPU kernels off: {choice.why}; panel_linear off"
+    if choice.vector_bits == 512:
+        vectors = "AVX-512"
+    else:
+        vectors = "AVX2" if "-mavx2" in _cpu_flags() else f"{choice.vector_bits}-bit, no AVX2"
+    if not choice.panel_rows:
+        panels = "panel_linear off (no oneDNN packs the weights)"
+    elif fallbacks:
+        names = ", ".join(fallbacks[:6]) + (f" and {len(fallbacks) - 6} more" if len(fallbacks) > 6 else "")
+        panels = (
+            f"panel_linear on up to {choice.panel_rows} rows, {len(fallbacks)} packed layer(s) left to oneDNN "
+            f"(layout not the checked one): {names}"
+        )
+    else:
+        panels = f"panel_linear on up to {choice.panel_rows} rows, on every packed layer"
+    return f"CPU kernels on: {choice.why}, {vectors} vectors; {panels}"
 
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all on the CPU, none needing a gradient (the
-    kernels have no backward; training keeps the torch ops), and the kernels built."""
+    kernels have no backward; training keeps the torch ops), and the installed choice on."""
     if not all(t.device.type == "cpu" for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return _Switch.on and load() is not None
+    return installed().on
 
 
 def write_kv(
@@ -235,11 +334,12 @@ def panel_vector_bits() -> int:
     return int(kernels.panel_vector_bits())
 
 
-def panel_row_limit() -> int:
-    """Up to how many rows `panel_linear` beats oneDNN on this CPU (the model's shapes, weights
-    streamed from memory, one core): with AVX-512 1.3-2.1x at one to six rows and 1.2x at eight,
-    even at twelve; with AVX2 1.7-1.9x at one and two rows, behind from four."""
-    return 8 if panel_vector_bits() == 512 else 2
+def panel_row_limit(vector_bits: int = 0) -> int:
+    """Up to how many rows `panel_linear` at `vector_bits` (0: this CPU's widest) beats oneDNN
+    (the model's shapes, weights streamed from memory, one core): with AVX-512 1.3-2.1x at one
+    to six rows and 1.2x at eight, even at twelve; with AVX2 1.7-1.9x at one and two rows,
+    behind from four."""
+    return 8 if (vector_bits or panel_vector_bits()) == 512 else 2
 
 
 if __name__ == "__main__":

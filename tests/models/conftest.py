@@ -13,13 +13,15 @@ def hf_model(request, tmp_path_factory):
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def decode_path(request, monkeypatch):
+def decode_path(request):
     """Run a test on the C++ CPU kernels and again on the torch path (the one a GPU takes), so
-    both stay covered on a CPU-only machine."""
+    both stay covered on a CPU-only machine: the kernel choice a worker would decide with
+    `--cpu-kernels` or `--no-cpu-kernels`, installed for the test (a model packed under the
+    first then runs none of them, panel_linear included, under the second)."""
     from kernels.cpu import ops as cpu_kernels
 
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
-    else:
-        assert cpu_kernels.load() is not None, "the CPU kernels did not build"
-    return request.param
+    choice = cpu_kernels.decide(request.param == "kernel")
+    if request.param == "kernel":
+        assert choice.on, f"the CPU kernels are off: {choice.why}"
+    with cpu_kernels.using(choice):
+        yield request.param

@@ -4,6 +4,7 @@ and stale pages that only zeroing makes safe."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 
@@ -303,18 +304,21 @@ def test_the_auto_device_is_resolved_by_the_worker(checkpoint):
     worker.close()
 
 
-def test_without_the_cpu_kernels_the_torch_path_gives_the_same_tokens(checkpoint, monkeypatch):
-    """`--no-cpu-kernels` reaches the worker, which then runs the torch path, greedy-equal."""
-    monkeypatch.setattr(cpu_kernels._Switch, "on", True)  # restored after the test
+def test_without_the_cpu_kernels_the_torch_path_gives_the_same_tokens(checkpoint, caplog):
+    """`--no-cpu-kernels` reaches the worker, which then runs the torch path, greedy-equal, and
+    says which kernels it runs in its start-up log."""
+    caplog.set_level(logging.INFO, logger="worker.worker")
     outputs = {}
     for on in (True, False):
-        worker = make_worker(checkpoint, cpu_kernels=on)
-        assert cpu_kernels.usable(torch.zeros(1)) is on
-        drv = Driver(worker)
-        for req_id, prompt in PROMPTS.items():
-            drv.add(req_id, prompt)
-        drv.step({r: len(p) for r, p in PROMPTS.items()})
-        drv.decode(list(PROMPTS), 9)
-        outputs[on] = [drv.reqs[r].outputs for r in PROMPTS]
-        worker.close()
+        with cpu_kernels.using():  # each worker installs its own choice; the process's comes back after
+            worker = make_worker(checkpoint, cpu_kernels=on)
+            assert worker.kernels.on is on and cpu_kernels.usable(torch.zeros(1)) is on
+            assert cpu_kernels.summary(worker.kernels, []).split(";")[0] in caplog.text
+            drv = Driver(worker)
+            for req_id, prompt in PROMPTS.items():
+                drv.add(req_id, prompt)
+            drv.step({r: len(p) for r, p in PROMPTS.items()})
+            drv.decode(list(PROMPTS), 9)
+            outputs[on] = [drv.reqs[r].outputs for r in PROMPTS]
+            worker.close()
     assert outputs[True] == outputs[False]

@@ -18,6 +18,7 @@ from models.attention import _attend_decode
 from models.batch import padding_indices
 from models.layers import GatedRMSNorm, RMSNorm
 from models.mamba import chunk_scan, ssm_step
+from tests.kernels.cpu.vector_widths import VECTOR_BITS
 
 BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 16, 40
 
@@ -79,8 +80,7 @@ def test_paged_decode_attention_matches_the_torch_path(dtype, seed):
 
 
 def _with_torch(q, k_cache, v_cache, table, padding, positions) -> torch.Tensor:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_kernels, "usable", lambda *tensors: False)
+    with cpu_kernels.using(cpu_kernels.decide(False)):
         return _attend_decode(q, k_cache, v_cache, table, padding, positions, None, DIM**-0.5)
 
 
@@ -271,7 +271,7 @@ def test_rms_norm_matches_torch(make, weighted):
 
 
 @pytest.mark.parametrize(("dim", "group"), [(24, 24), (24, 8), (40, 5)])
-def test_gated_rms_norm_matches_the_torch_path(dim, group, monkeypatch):
+def test_gated_rms_norm_matches_the_torch_path(dim, group):
     """x * silu(gate), normalised per group and weighted: the kernel against the module's torch
     path, with the gate a strided slice of a wider projection as in Mamba2."""
     torch.manual_seed(dim + group)
@@ -281,8 +281,8 @@ def test_gated_rms_norm_matches_the_torch_path(dim, group, monkeypatch):
     x, gate = torch.randn(7, dim), torch.randn(7, 3 * dim)[:, dim : 2 * dim]
     with torch.no_grad():
         got = norm(x, gate)
-        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
-        want = norm(x, gate)
+        with cpu_kernels.using(cpu_kernels.decide(False)):
+            want = norm(x, gate)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -306,15 +306,7 @@ def _as_panels(weight: torch.Tensor, nb: int, kp: int) -> torch.Tensor:
     return panels.view(blocks, nb, kp).permute(0, 2, 1).contiguous()
 
 
-_VECTOR_BITS = [
-    256,
-    pytest.param(
-        512, marks=pytest.mark.skipif(cpu_kernels.panel_vector_bits() < 512, reason="this CPU has no AVX-512")
-    ),
-]
-
-
-@pytest.mark.parametrize("bits", _VECTOR_BITS)
+@pytest.mark.parametrize("bits", VECTOR_BITS)
 @pytest.mark.parametrize("nb", [16, 32, 48, 64])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7, 13])
 def test_panel_linear_matches_the_plain_matmul(bits, nb, rows):

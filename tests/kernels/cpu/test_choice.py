@@ -1,0 +1,65 @@
+"""A worker's kernel choice: decided once from its config and the CPU, frozen, installed for its
+process (tests install theirs for a block and get the previous one back), and said in one
+start-up line."""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError, replace
+
+import pytest
+import torch
+
+from kernels.cpu import ops as cpu_kernels
+
+
+def test_on_a_cpu_the_kernels_run_at_this_cpus_widest_vectors():
+    choice = cpu_kernels.decide(True, torch.device("cpu"))
+    assert choice.on, choice.why
+    assert (
+        choice.vector_bits
+        == cpu_kernels.panel_vector_bits()
+        == (512 if "avx512f" in cpu_kernels.cpu_features() else 256)
+    )
+    assert choice.panel_rows == (cpu_kernels.panel_row_limit() if torch.backends.mkldnn.is_available() else 0)
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "why"),
+    [(False, "cpu", "--no-cpu-kernels"), (True, "cuda", "the device is cuda"), (True, "meta", "the device is meta")],
+)
+def test_the_config_or_the_device_turns_them_off(requested, device, why):
+    choice = cpu_kernels.decide(requested, device)
+    assert not choice.on and choice.panel_rows == 0 and why in choice.why
+    assert cpu_kernels.summary(choice) == f"CPU kernels off: {choice.why}; panel_linear off"
+
+
+def test_a_failed_build_turns_them_off_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_built", lambda: (None, "the build failed (OSError: no compiler)"))
+    choice = cpu_kernels.decide(True)
+    assert not choice.on and "no compiler" in choice.why
+
+
+def test_a_choice_is_frozen_and_a_block_gets_the_previous_one_back():
+    before = cpu_kernels.installed()
+    off = cpu_kernels.decide(False)
+    with pytest.raises(FrozenInstanceError):
+        off.on = True
+    with cpu_kernels.using(off):
+        assert cpu_kernels.installed() is off and not cpu_kernels.usable(torch.zeros(1))
+    assert cpu_kernels.installed() == before and cpu_kernels.usable(torch.zeros(1)) is before.on
+
+
+def test_the_start_up_line_says_what_runs():
+    on = replace(cpu_kernels.decide(True), why="built and loaded from /x", vector_bits=512, panel_rows=8)
+    assert cpu_kernels.summary(on) == (
+        "CPU kernels on: built and loaded from /x, AVX-512 vectors; panel_linear on up to 8 rows, on every packed layer"
+    )
+    narrow = replace(on, vector_bits=256, panel_rows=2)
+    avx2 = "AVX2" if {"avx2", "fma"} <= cpu_kernels.cpu_features() else "256-bit, no AVX2"
+    names = [f"layers.{i}.mlp" for i in range(8)]
+    assert cpu_kernels.summary(narrow, names) == (
+        f"CPU kernels on: built and loaded from /x, {avx2} vectors; panel_linear on up to 2 rows, 8 packed layer(s) left to "
+        "oneDNN (layout not the checked one): layers.0.mlp, layers.1.mlp, layers.2.mlp, layers.3.mlp, "
+        "layers.4.mlp, layers.5.mlp and 2 more"
+    )
+    assert cpu_kernels.summary(replace(on, panel_rows=0)).endswith("panel_linear off (no oneDNN packs the weights)")
