@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from actors.startup import freeze_startup_objects
+from actors.process import freeze_startup_objects
 from actors.step_channel import StepServer
 from engine.messages import ModelRunnerOutput, SchedulerOutput
 from kv.cache_layout import CacheLayout

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from actors.startup import freeze_startup_objects
+from actors.process import freeze_startup_objects
 from engine.config import Config
 from engine.core import EngineCore
 from engine.local import build_local_engine

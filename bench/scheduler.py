@@ -26,7 +26,7 @@ import json
 import time
 from pathlib import Path
 
-from actors.startup import freeze_startup_objects
+from actors.process import freeze_startup_objects
 from engine.messages import ModelRunnerOutput, SamplingParams
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig

@@ -15,8 +15,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
-from actors.process import keep_off
-from actors.startup import freeze_startup_objects
+from actors.process import freeze_startup_objects, keep_off
 from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
 from api.errors import RETRY_AFTER_S
 from api.migration import MigrationPolicy
