@@ -28,6 +28,7 @@ from engine.messages import (
     RequestOutput,
     SamplingParams,
 )
+from kv.nixl.transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         req_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         do_remote_decode: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until one carries a finish reason. Leaving the

@@ -17,14 +17,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.lease import LeaseRenewer
 from actors.output_channel import OutputServer
 from actors.ports import free_port
-from actors.process import keep_off
-from actors.startup import freeze_startup_objects
+from actors.process import freeze_startup_objects, keep_off
 from actors.step_channel import StepChannel
 from actors.worker_actor import RemoteWorker
 from engine.build import Role, check_tp, disagg_config, make_engine, worker_config
 from engine.config import Config
 from engine.messages import EngineStats, OutputBatch, SamplingParams
 from kv.nixl.peers import PeerInfo
+from kv.nixl.transfer_params import KVTransferParams
 
 # Heartbeats per lease: a renewal may be lost or late three times before the lease runs out.
 _BEATS_PER_LEASE = 4
@@ -100,7 +100,9 @@ class EngineActor:
         self._lease_peers.update(engines)
         if self._renewer is None:
             lease = self.config.kv_lease_s
-            renewer = LeaseRenewer(self.core.scheduler, self._renew_at, lease / _BEATS_PER_LEASE, timeout_s=lease)
+            renewer = LeaseRenewer(
+                self.core.scheduler.disaggregation(), self._renew_at, lease / _BEATS_PER_LEASE, timeout_s=lease
+            )
             self._renewer = asyncio.get_running_loop().create_task(renewer.run())
 
     async def _renew_at(self, engine_id: str, req_ids: list[str]) -> dict[str, float]:
@@ -108,14 +110,14 @@ class EngineActor:
 
     async def renew_leases(self, req_ids: list[str]) -> dict[str, float]:
         """Prefill side: a decode engine's heartbeat; the new deadline of each lease still held."""
-        return self.core.scheduler.renew_leases(req_ids)
+        return self.core.scheduler.disaggregation().renew_leases(req_ids)
 
     async def add_request(
         self,
         req_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         do_remote_decode: bool = False,
     ) -> None:
         self.core.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params, do_remote_decode)

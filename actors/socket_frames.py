@@ -8,9 +8,9 @@ same processes:
 - a listening socket accepts, and a connecting one keeps, only a peer of this user whose
   process is the one named over Ray (the kernel's SO_PEERCRED); the sockets are abstract (no
   file to clean up) with random names, but any process on the node can list those names;
-- the unpickler builds nothing but the dataclasses and exceptions of raypd's own `actors` and
-  `kv` packages and Python's built-in exceptions: a pickle that names anything else (a function
-  to call, another class) is refused.
+- the unpickler builds nothing but the dataclasses and exceptions of raypd's own `engine`,
+  `worker`, `actors` and `kv` packages and Python's built-in exceptions: a pickle that names
+  anything else (a function to call, another class) is refused.
 """
 
 from __future__ import annotations

@@ -83,7 +83,13 @@ def disagg_config(cfg: Config, role: Role, engine_id: str, agent_name: str = "")
             engine_id,
         )
     return DisaggConfig(
-        role, engine_id, float(cfg.kv_lease_s), cfg.debug_zero_loaded_blocks, cfg.kv_load_failure_policy, agent_name
+        role,
+        engine_id,
+        float(cfg.kv_lease_s),
+        cfg.debug_zero_loaded_blocks,
+        cfg.kv_load_failure_policy,
+        agent_name,
+        cfg.tp_size(role),
     )
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 from engine.messages import (
     ENGINE_FAILURE,
@@ -42,6 +40,8 @@ log = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.002
 _STALL_RECHECK_S = 0.05
 
+_NO_PD_STATS = {"loading": 0, "held_for_decode": 0, "failed_loads": 0, "expired_leases": 0}
+
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
 
@@ -56,6 +56,8 @@ class EngineCore:
     ) -> None:
         if not executors:
             raise ValueError("an engine needs at least one worker")
+        if scheduler.pd is not None and scheduler.pd.config.tp_size != len(executors):
+            raise ValueError(f"a PD engine of TP size {scheduler.pd.config.tp_size} given {len(executors)} workers")
         self.scheduler = scheduler
         self.executors = list(executors)
         # One executor per tensor-parallel rank: their results become one (engine/rank_merge.py).
@@ -79,32 +81,35 @@ class EngineCore:
         req_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         do_remote_decode: bool = False,
     ) -> None:
         """Queue a request; raises InvalidRequestError for one the engine cannot serve.
 
-        `do_remote_decode` (prefill engine): compute the prompt but its last token, answer
-        with `kv_transfer_params`, keep the blocks for the decode side. The decode side
-        recomputes that last token itself, which also gives it the logits for the first
-        output token, and a hybrid model's Mamba state is then exactly the state after
-        prompt[:-1]. `kv_transfer_params` (decode engine): load that KV instead of computing it.
+        `do_remote_decode` (prefill engine): compute the prompt and hand its KV over
+        (engine/pd.py). `kv_transfer_params` (decode engine): load that KV instead of computing
+        it. They come from another engine through the ingress, so they are validated here, once.
         """
         if self._failure is not None:
             raise EngineFailedError(f"engine failed: {self._failure!r}")
-        params = KVTransferParams.from_dict(kv_transfer_params) if kv_transfer_params else None
+        params = kv_transfer_params
         try:
+            if params is not None:
+                try:
+                    params.validate()
+                except ValueError as e:
+                    raise InvalidRequestError(str(e), param="kv_transfer_params") from None
             sampling.validate()
             if len(self.scheduler.waiting) >= self.max_waiting:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
             prompt = list(prompt_token_ids)
             if do_remote_decode:
                 self.scheduler.check_length(len(prompt), sampling.max_tokens)  # before any prefill work
-                prompt = prompt[:-1]
-                sampling = dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
-                if not prompt:
-                    self._publish(OutputBatch(others=[self._empty_hand_over(req_id)]))
+                split = self.scheduler.disaggregation().prefill_request(req_id, prompt, sampling)
+                if isinstance(split, RequestOutput):
+                    self._publish(OutputBatch(others=[split]))
                     return
+                prompt, sampling = split
             self.scheduler.add_request(
                 Request(
                     req_id,
@@ -118,19 +123,13 @@ class EngineCore:
             self.phases.arrived(req_id)
         except (InvalidRequestError, EngineOverloadedError) as e:
             duplicate = getattr(e, "param", None) == "request_id"  # the live request's KV is not ours to drop
-            if params is not None and self.scheduler.connector is not None and not duplicate:
-                self.scheduler.connector.notify_abandoned(params)  # so the prefill side frees now
+            if params is not None and self.scheduler.pd is not None and not duplicate:
+                self.scheduler.pd.refused(params)  # so the prefill side frees now
                 self._ensure_running()
                 self._wake.set()
             raise
         self._ensure_running()
         self._wake.set()
-
-    def _empty_hand_over(self, req_id: str) -> RequestOutput:
-        """A one-token prompt: nothing to prefill; the decode side computes it all."""
-        s = self.scheduler
-        params = KVTransferParams(s.pd.engine_id, s.pd.agent_name, tuple(() for _ in s.kv.groups), 0, req_id)
-        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params.to_dict())
 
     def abort(self, req_id: str) -> None:
         out = self.scheduler.abort(req_id)
@@ -165,10 +164,7 @@ class EngineCore:
             {
                 "steps": self.num_steps,
                 "preemptions": s.num_preemptions,
-                "loading": len(s.loading),
-                "held_for_decode": s.num_held,
-                "failed_loads": s.num_failed_loads,
-                "expired_leases": s.num_expired_leases,
+                **(s.pd.stats() if s.pd is not None else _NO_PD_STATS),
                 "rank_merge_partial": self.merger.num_partial,
                 "phases": self.phases.snapshot(),
             },
@@ -229,7 +225,6 @@ class EngineCore:
                 flight.popleft()
                 self.num_steps += 1
                 self._publish(self.scheduler.update_from_output(out, self.merger.merge(results)))
-                self.merger.forget_sent(self.scheduler.is_held)
                 if not out.num_scheduled_tokens:
                     await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
                 continue

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kv.nixl.scheduler import ConnectorMetadata
+    from kv.nixl.transfer_params import KVTransferParams
 
 
 class InvalidRequestError(ValueError):
@@ -164,7 +165,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer
+    kv_transfer_params: KVTransferParams | None = None  # a prefill engine's answer
 
 
 # The slots' own setters, which skip the frozen check: see `request_output`.

@@ -1,31 +1,38 @@
-"""The PD half of the scheduler: what a disaggregated engine does beyond scheduling.
+"""Disaggregation: what a prefill or decode engine does beyond scheduling, in one component.
 
-A decode engine checks the `kv_transfer_params` it is given, starts the load of a granted
-prompt (the blocks it fills go into the skip set: docs/design.md §2), and applies the load's
-end: done, failed, or ended too late for its lease (docs/design.md §4, §6). A prefill engine
-hands a computed prompt over and holds its blocks until the decode side has read them or
-the lease ends. The connector's scheduler half (kv/nixl/scheduler.py) keeps the grants,
-loads and leases; this half keeps the requests and their blocks.
+The scheduler holds one `Disaggregation` when it serves a PD role (none when colocated) and
+calls it at the few points where a PD request differs from a colocated one:
+
+- decode side: it checks the `kv_transfer_params` a request arrives with, grants the tokens
+  the transfer supplies, allocates the whole prompt and starts the load; the scheduler puts
+  the attention blocks that load fills (`covered_block_ids`) into its `_skip_zero_block_ids`
+  (the fix, docs/design.md §2). It applies the load's end: done, failed, or ended too late
+  for its lease (§4, §6), and owns the requests in between (`loading`, then `loaded`).
+- prefill side: the prompt split (the engine computes `prompt[:-1]`, §5), the hand-over of a
+  computed prompt, and one record per request held for a decode side (`HeldKV`: the step
+  that last used its blocks, the lease's deadline, the ranks read so far) until every rank
+  has been read, the decode side abandons it, or the lease ends (§6, §11).
+
+The connector's scheduler half (kv/nixl/scheduler.py) says what a transfer is (grants, load
+specs, notifications, lease arithmetic); this component keeps the requests and their blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import enum
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from engine.messages import InvalidRequestError, ModelRunnerOutput, RequestOutput
+from engine.deferred_free import DeferredFree
+from engine.messages import InvalidRequestError, ModelRunnerOutput, RequestOutput, SamplingParams
 from engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from engine.deferred_free import DeferredFree
-    from kv.kv_cache_manager import KVCacheManager
-    from kv.nixl.scheduler import NixlSchedulerConnector
-    from kv.nixl.transfer_params import KVTransferParams
+from kv.kv_cache_manager import KVCacheManager
+from kv.nixl.scheduler import NixlSchedulerConnector
+from kv.nixl.transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -39,57 +46,159 @@ class DisaggConfig:
     debug_zero_loaded_blocks: bool = False
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     agent_name: str = ""  # prefill: the worker's NIXL agent, named in the KVTransferParams handed out
+    tp_size: int = 1  # the engine's ranks: a held request is read once every rank was notified
 
 
-class DisaggScheduling:
-    """Mixed into `Scheduler`, whose state it shares (declared here for the reader)."""
+@dataclass(slots=True)
+class HeldKV:
+    """Prefill side: a handed-over request's blocks, kept for the decode side to read."""
 
-    kv: KVCacheManager
-    freed: DeferredFree
-    disagg: DisaggConfig | None
-    connector: NixlSchedulerConnector | None
-    loading: dict[str, Request]
-    loaded: deque[Request]
-    _held: dict[str, int]
-    _skip_zero_block_ids: set[int]
-    _outputs: list[RequestOutput]
-    num_failed_loads: int
-    num_expired_leases: int
-    waiting: deque[Request]
-    requests: dict[str, Request]
+    last_step: int  # the last step that used the blocks: their free is fenced on it (§3)
+    expires_at: float  # the lease (wall-clock seconds); renewed by the decode side's heartbeats
+    ranks_read: int = 0  # prefill ranks whose readers have all notified
 
-    def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
-        raise NotImplementedError
 
-    def _output(self, req: Request) -> RequestOutput:
-        raise NotImplementedError
+class LoadStart(enum.Enum):
+    """What the decode side did with a waiting request that carries `kv_transfer_params`."""
+
+    LOCAL = "local"  # nothing to load (no grant, a local hit covers it, or recompute by policy)
+    STARTED = "started"  # blocks for the whole prompt allocated, the READ ships this step
+    NO_ROOM = "no_room"  # the prompt's blocks do not fit now: it stays at the queue's head
+    FAILED = "failed"  # the lease ran out and the policy failed the request (it has ended)
+
+
+# The scheduler's way to end a request with an error from here: finish it, and queue its output.
+FailRequest = Callable[[Request, str], None]
+
+
+class Disaggregation:
+    def __init__(
+        self,
+        config: DisaggConfig,
+        kv: KVCacheManager,
+        freed: DeferredFree,
+        requests: Mapping[str, Request],
+        fail: FailRequest,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.freed = freed
+        self.requests = requests  # the scheduler's table of live requests, read here
+        self.fail = fail
+        self.connector = NixlSchedulerConnector(kv.managers, config.lease_s)
+        self.loading: dict[str, Request] = {}  # waiting for their remote KV
+        # Loads that ended (or failed, to be recomputed): each owns blocks for its whole prompt,
+        # so it is admitted ahead of `waiting`, where a preempted request waiting for memory
+        # could otherwise block it while it holds the very blocks that request needs.
+        self.loaded: deque[Request] = deque()
+        self.held: dict[str, HeldKV] = {}
+        self.num_failed_loads = 0
+        self.num_expired_leases = 0
+
+    # -- both sides -------------------------------------------------------------------
+
+    def owns(self, req_id: str) -> bool:
+        """Whether the id is still taken here after its request left the scheduler's table."""
+        return req_id in self.held or req_id in self.loading
 
     @property
-    def link(self) -> NixlSchedulerConnector:
-        """The connector, which every PD path needs; its absence is a wiring bug, reported as one
-        (not an `assert`, which `python -O` removes)."""
-        if self.connector is None:
-            raise RuntimeError("a PD code path ran in an engine without a KV connector")
-        return self.connector
+    def num_admitted(self) -> int:
+        """Requests past the queue that are not running yet: they count against max_num_seqs."""
+        return len(self.loading) + len(self.loaded)
 
-    @property
-    def pd(self) -> DisaggConfig:
-        if self.disagg is None:
-            raise RuntimeError("a PD code path ran in an engine without a disaggregation config")
-        return self.disagg
+    def needs_polling(self) -> bool:
+        """Transfers in flight only report through a step's result, so keep stepping."""
+        return bool(self.loading or self.held)
 
-    @staticmethod
-    def _params(req: Request) -> KVTransferParams:
-        if req.kv_transfer_params is None:
-            raise RuntimeError(f"request {req.req_id} reached a KV-load path without kv_transfer_params")
-        return req.kv_transfer_params
+    def has_work(self) -> bool:
+        return bool(self.loaded or self.needs_polling() or self.connector.has_pending_meta)
 
-    def _check_transfer(self, req: Request) -> None:
-        """kv_transfer_params arrive from outside: a wrong shape must be a clear rejection, not
-        a stalled queue or a failed worker step."""
-        params = self._params(req)
-        if self.connector is None:
-            raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
+    def stats(self) -> dict[str, int]:
+        return {
+            "loading": len(self.loading),
+            "held_for_decode": len(self.held),
+            "failed_loads": self.num_failed_loads,
+            "expired_leases": self.num_expired_leases,
+        }
+
+    def finished(self, req: Request) -> bool:
+        """The request ended (any reason); True if its blocks must stay allocated because a READ
+        in flight may still write them (they are freed when the load ends)."""
+        if req in self.loaded:
+            self.loaded.remove(req)
+        if req.req_id in self.loading:
+            return True  # a READ in flight notifies when it ends
+        params = req.kv_transfer_params
+        if params is not None and not req.load_done:
+            self.connector.notify_abandoned(params)  # never read: the prefill side frees it now
+            req.load_done = True
+        return False
+
+    # -- prefill side -----------------------------------------------------------------
+
+    def prefill_request(
+        self, req_id: str, prompt: list[int], sampling: SamplingParams
+    ) -> tuple[list[int], SamplingParams] | RequestOutput:
+        """What a prefill engine computes of a `do_remote_decode` request: the prompt but its
+        last token, greedy, one step (§5). The decode side recomputes that token, which gives
+        it the first output's logits, and a hybrid's state is then exactly the state after
+        prompt[:-1]. A one-token prompt has nothing to prefill: the hand-over, at once."""
+        if len(prompt) > 1:
+            return prompt[:-1], dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
+        empty = tuple(() for _ in self.kv.groups)
+        params = KVTransferParams(self.config.engine_id, self.config.agent_name, empty, 0, req_id)
+        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params)
+
+    def hand_over(self, req: Request, checksums: list[list[list[list[int]]]] | None = None) -> KVTransferParams:
+        """The prompt is in: hold its blocks for the decode side under a lease, and say where
+        they are. `checksums` (--kv-verify): [prefill rank][decode rank][group][block]."""
+        block_ids = self.kv.get_block_ids(req.req_id)
+        shape = [len(b) for b in block_ids]
+        if checksums is not None and any([len(g) for g in t] != shape for row in checksums for t in row):
+            raise RuntimeError(f"request {req.req_id}: the worker checksummed other blocks than the scheduler's")
+        params = self.connector.describe(
+            req.req_id, self.config.engine_id, self.config.agent_name, block_ids, req.num_prompt_tokens, checksums
+        )
+        self.held[req.req_id] = HeldKV(req.last_step, params.expires_at)
+        return params
+
+    def renew_leases(self, req_ids: list[str]) -> dict[str, float]:
+        """A decode engine's heartbeat: extend the leases still held; the granted deadlines
+        (none for a request read, abandoned or expired: its blocks may be gone)."""
+        granted = {}
+        for req_id in req_ids:
+            held = self.held.get(req_id)
+            if held is not None:
+                held.expires_at = granted[req_id] = self.connector.lease_deadline()
+        return granted
+
+    def release_held(self, req_id: str) -> None:
+        """The decode side read or abandoned the blocks, the lease ended, or the client left."""
+        held = self.held.pop(req_id, None)
+        if held is not None:
+            self.freed.release(req_id, held.last_step)
+
+    def _blocks_read(self, req_ids: list[str]) -> None:
+        """Notifications, one per prefill rank whose readers are done; the blocks go back once
+        every rank has been read. A notification for a request no longer held is dropped."""
+        for req_id in req_ids:
+            held = self.held.get(req_id)
+            if held is not None:
+                held.ranks_read += 1
+                if held.ranks_read >= self.config.tp_size:
+                    self.release_held(req_id)
+
+    def _leases_ended(self) -> None:
+        now = self.connector.clock()
+        for req_id in [r for r, held in self.held.items() if held.expires_at <= now]:
+            self.release_held(req_id)
+
+    # -- decode side ------------------------------------------------------------------
+
+    def check_request(self, req: Request) -> None:
+        """kv_transfer_params arrive from another engine: a wrong shape (a bug, or two versions
+        of raypd side by side) must be a clear rejection, not a stalled queue or a failed step."""
+        params = _params(req)
         if params.num_tokens >= req.num_prompt_tokens:
             raise InvalidRequestError(
                 f"kv_transfer_params cover {params.num_tokens} tokens of a {req.num_prompt_tokens}-token prompt",
@@ -110,92 +219,93 @@ class DisaggScheduling:
                     param="kv_transfer_params",
                 )
 
-    def _start_remote_load(self, req: Request, hit: int, external: int, step: int) -> None:
-        """The fix (docs/design.md §2): the blocks this load fills stay out of the zero list."""
+    def refused(self, params: KVTransferParams) -> None:
+        """The engine refused a request that came with a transfer: the prefill side frees now."""
+        self.connector.notify_abandoned(params)
+
+    def start_load(self, req: Request, hit: int, fresh_hit: int, step: int) -> LoadStart:
+        """A waiting request at the head of the queue, `hit` tokens of its prompt cached here
+        (`fresh_hit` of them a hit just found): start its READ if the transfer still supplies
+        tokens and its lease allows one."""
+        params = req.kv_transfer_params
+        if params is None or req.load_done:
+            return LoadStart.LOCAL
+        external, _ = self.connector.get_num_new_matched_tokens(params, hit)
+        if external <= 0:
+            return LoadStart.LOCAL
+        if not self.connector.lease_ok(params):  # never start a READ that may race the lease's end
+            self.num_expired_leases += 1
+            recompute = self._load_failed(req, "its KV lease at the prefill engine expired before the load")
+            return LoadStart.LOCAL if recompute else LoadStart.FAILED
+        # Blocks for the whole prompt: once loaded, the request can always compute its last
+        # prompt token without waiting for memory held by others.
+        if self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit) is None:
+            return LoadStart.NO_ROOM
         req.num_computed_tokens = hit
         req.num_external_tokens = external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.last_step = step  # this step ships the load and the zero list touching its blocks
         self.loading[req.req_id] = req
-        if not self.pd.debug_zero_loaded_blocks:
-            self._skip_zero_block_ids.update(self.kv.get_zeroing_block_ids_in_range(req.req_id, hit, hit + external))
-        self.link.update_state_after_alloc(
-            req.req_id, self._params(req), self.kv.get_block_ids(req.req_id), hit, external
-        )
+        self.connector.update_state_after_alloc(req.req_id, params, self.kv.get_block_ids(req.req_id), hit, external)
+        return LoadStart.STARTED
 
-    def _hand_over(self, req: Request, checksums: list[list[list[list[int]]]] | None = None) -> RequestOutput:
-        """Prefill side: the prompt is in; keep the blocks for the decode side to read.
-        `checksums` (--kv-verify): [prefill rank][decode rank][group][block]."""
-        block_ids = self.kv.get_block_ids(req.req_id)
-        shape = [len(b) for b in block_ids]
-        if checksums is not None and any([len(g) for g in t] != shape for row in checksums for t in row):
-            raise RuntimeError(f"request {req.req_id}: the worker checksummed other blocks than the scheduler's")
-        params = self.link.request_finished(
-            req.req_id, self.pd.engine_id, self.pd.agent_name, block_ids, req.num_prompt_tokens, checksums
-        )
-        self._held[req.req_id] = req.last_step
-        self._finish(req, "length", keep_blocks=True)
-        out = self._output(req)
-        return dataclasses.replace(out, kv_transfer_params=params.to_dict())
+    def covered_block_ids(self, req: Request) -> list[int]:
+        """The attention blocks the load just started will write, for the scheduler's
+        `_skip_zero_block_ids` (§2); none with the debug switch, which restores the bug (I6)."""
+        if self.config.debug_zero_loaded_blocks:
+            return []
+        start = req.num_computed_tokens
+        return self.kv.get_zeroing_block_ids_in_range(req.req_id, start, start + req.num_external_tokens)
+
+    def computed_locally(self, req: Request) -> None:
+        """The request was admitted to compute its prompt here (a local prefix hit covers the
+        grant, or the lease ran out): the prefill side's copy is not needed. Told only now that
+        the blocks are ours."""
+        if req.kv_transfer_params is not None and not req.load_done:
+            self.connector.notify_abandoned(req.kv_transfer_params)
+            req.load_done = True
 
     def leases_to_renew(self) -> dict[str, dict[str, str]]:
-        """Decode side: the leases a request still needs, by prefill engine: its request id
-        there -> ours. A request needs its lease from arrival until its load has ended."""
+        """The leases a request still needs, by prefill engine: its request id there -> ours.
+        A request needs its lease from arrival until its load has ended."""
         wanted: dict[str, dict[str, str]] = {}
-        for req in itertools.chain(self.waiting, self.loading.values()):
+        for req in self.requests.values():
             params = req.kv_transfer_params
             if params is not None and not req.load_done and not req.finished:
                 wanted.setdefault(params.remote_engine_id, {})[params.request_id] = req.req_id
         return wanted
 
     def lease_renewed(self, deadlines: Mapping[str, float]) -> None:
-        """Decode side: deadlines a prefill engine granted (docs/design.md §12); later loads and
-        the check after a READ (`lease_ok`) go by them."""
+        """Deadlines a prefill engine granted (§12); later loads and the check after a READ
+        (`lease_ok`) go by them."""
         for req_id, deadline in deadlines.items():
             req = self.requests.get(req_id)
             params = None if req is None or req.load_done else req.kv_transfer_params
             if req is not None and params is not None and deadline > params.expires_at:
                 req.kv_transfer_params = dataclasses.replace(params, expires_at=deadline)
 
-    def renew_leases(self, req_ids: list[str]) -> dict[str, float]:
-        """Prefill side: extend the leases still held; the granted deadlines."""
-        granted = {}
-        for req_id in req_ids:
-            if req_id in self._held and (deadline := self.link.renew(req_id)) is not None:
-                granted[req_id] = deadline
-        return granted
-
-    def _transfers_ended(self, result: ModelRunnerOutput) -> list[RequestOutput]:
+    def transfers_ended(self, result: ModelRunnerOutput) -> None:
         """Loads that landed or failed (decode side); blocks read or leases ended (prefill side)."""
-        outputs = []
         for req_id in result.finished_recving:
-            outputs.extend(self._load_finished(req_id, None))
+            self._load_finished(req_id, None)
         for req_id, bad in result.failed_loads.items():
-            outputs.extend(self._load_finished(req_id, bad))
-        for req_id in [*result.finished_sending, *self.link.expired()]:
-            self._release_held(req_id)
-        return outputs
+            self._load_finished(req_id, bad)
+        self._blocks_read(result.finished_sending)
+        self._leases_ended()
 
-    def _release_held(self, req_id: str) -> None:
-        """Prefill side: the decode side read (or abandoned) the blocks, or the lease ended."""
-        if self.connector is not None:
-            self.connector.release(req_id)
-        if req_id in self._held:
-            self.freed.release(req_id, self._held.pop(req_id))
-
-    def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> list[RequestOutput]:
+    def _load_finished(self, req_id: str, bad_blocks: list[int] | None) -> None:
         req = self.loading.pop(req_id, None)
         if req is None:
-            return []
+            return
         if req.finished:  # aborted while its pages were being written: free them now
             self.freed.release(req.req_id, req.last_step)
-            return []
+            return
         req.load_done = True
         req.status = RequestStatus.WAITING
         why = None
         if bad_blocks is not None:
             why = f"KV transfer from the prefill engine failed for blocks {sorted(bad_blocks)}"
-        elif not self.link.lease_ok(self._params(req)):
+        elif not self.connector.lease_ok(_params(req)):
             # The READ ended too close to the lease's end: the pages may have been reused.
             self.num_expired_leases += 1
             bad_blocks = self.kv.get_zeroing_block_ids_in_range(
@@ -206,23 +316,20 @@ class DisaggScheduling:
             req.num_computed_tokens += req.num_external_tokens
         else:
             if not self._load_failed(req, why):
-                return []
+                return
             valid = self._valid_prefix(req, set(bad_blocks or ()))
             self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2 (docs/design.md §8): zeroed before recompute
             req.num_computed_tokens = valid
         self.loaded.append(req)
-        return []
 
     def _load_failed(self, req: Request, why: str) -> bool:
         """Apply the load-failure policy: True to recompute, False if the request failed."""
         self.num_failed_loads += 1
         req.load_done = True
-        if self.pd.load_failure_policy == "recompute":
+        if self.config.load_failure_policy == "recompute":
             log.info("request %s recomputes its prompt: %s", req.req_id, why)
             return True
-        req.error = why
-        self._finish(req, "error")
-        self._outputs.append(self._output(req))
+        self.fail(req, why)
         return False
 
     def _valid_prefix(self, req: Request, bad: set[int]) -> int:
@@ -236,3 +343,9 @@ class DisaggScheduling:
                 first_bad = next((i for i, b in enumerate(ids) if b in bad), len(ids))
                 end = min(end, first_bad * self.kv.block_size)
         return end
+
+
+def _params(req: Request) -> KVTransferParams:
+    if req.kv_transfer_params is None:
+        raise RuntimeError(f"request {req.req_id} reached a KV-load path without kv_transfer_params")
+    return req.kv_transfer_params

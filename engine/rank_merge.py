@@ -9,13 +9,14 @@ KV transfers end per rank and at different steps: each rank moves its own shard.
 is done only when every rank's part landed, and failed when any rank's part failed (the
 union of the blocks left invalid), but only once every rank has ended its part: a part
 still in flight writes the blocks the scheduler would free or recompute into. A prefill
-request's blocks are read once every rank has been notified.
+request's blocks are read once every rank has been notified: each rank's notification is
+passed on, and the PD component's record of the held request counts them (engine/pd.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.messages import ModelRunnerOutput
@@ -36,7 +37,6 @@ class RankMerger:
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self._loads: dict[str, _LoadTally] = {}
-        self._sent: dict[str, set[int]] = {}
 
     def merge(self, results: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:
         if len(results) != self.num_ranks:
@@ -55,7 +55,7 @@ class RankMerger:
         recving, failed_loads = self._ended_loads(results)
         return dataclasses.replace(
             first,
-            finished_sending=self._read_everywhere(results),
+            finished_sending=[req_id for r in results for req_id in r.finished_sending],
             finished_recving=recving,
             failed_loads=failed_loads,
             failed_reqs=failed_reqs,
@@ -90,24 +90,7 @@ class RankMerger:
                 done.append(req_id)
         return done, failed
 
-    def _read_everywhere(self, results: Sequence[ModelRunnerOutput]) -> list[str]:
-        done: list[str] = []
-        for rank, r in enumerate(results):
-            for req_id in r.finished_sending:
-                ranks = self._sent.setdefault(req_id, set())
-                ranks.add(rank)
-                if len(ranks) == self.num_ranks:
-                    del self._sent[req_id]
-                    done.append(req_id)
-        return done
-
     @property
     def num_partial(self) -> int:
-        """Loads and reads that some but not all ranks have reported (zero once idle)."""
-        return len(self._loads) + len(self._sent)
-
-    def forget_sent(self, is_held: Callable[[str], bool]) -> None:
-        """Drop the partial tallies of prefill requests no longer held (their lease ended): a
-        late notification must not keep an entry for ever."""
-        for req_id in [r for r in self._sent if not is_held(r)]:
-            del self._sent[req_id]
+        """Loads that some but not all ranks have reported (zero once idle)."""
+        return len(self._loads)

@@ -11,16 +11,18 @@ Two fences keep memory safe under that overlap (docs/design.md §3):
 - freed blocks go back to the pool only once the last step that used them has reported;
 - a preempted request is not resumed before that either.
 
-Disaggregated serving (a `DisaggConfig` with a connector) adds the fix this project exists
-for: a decode request whose prompt KV arrives by NIXL READ gets its blocks allocated, the
-attention blocks that READ will fill go into `_skip_zero_block_ids`, and
-`_get_new_block_ids_to_zero` removes them from the step's zero list. The zeroing would be
-queued on the compute stream behind the forward in flight, while the READ lands whenever
-UCX completes it, so zeroing those blocks could wipe KV that already arrived.
+Disaggregated serving (a `DisaggConfig`) adds one component, `self.pd` (engine/pd.py), and
+the fix this project exists for: a decode request whose prompt KV arrives by NIXL READ gets
+its blocks allocated, the attention blocks that READ will fill go into
+`_skip_zero_block_ids`, and `_get_new_block_ids_to_zero` removes them from the step's zero
+list. The zeroing would be queued on the compute stream behind the forward in flight, while
+the READ lands whenever UCX completes it, so zeroing those blocks could wipe KV that already
+arrived.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -36,11 +38,10 @@ from engine.messages import (
     SchedulerOutput,
     request_output,
 )
-from engine.pd import DisaggConfig, DisaggScheduling
+from engine.pd import DisaggConfig, Disaggregation, LoadStart
 from engine.request import Request, RequestStatus
 from engine.stop import StopChecker
 from kv.kv_cache_manager import KVCacheManager
-from kv.nixl.scheduler import NixlSchedulerConnector
 
 log = logging.getLogger(__name__)
 
@@ -54,30 +55,21 @@ class SchedulerConfig:
     max_model_len: int
 
 
-class Scheduler(DisaggScheduling):
+class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, stop: StopChecker, disagg: DisaggConfig | None = None
     ) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
-        self.disagg = disagg
-        self.connector = NixlSchedulerConnector(kv.managers, disagg.lease_s) if disagg is not None else None
-        self.loading: dict[str, Request] = {}  # waiting for their remote KV
-        # Loads that ended (or failed, to be recomputed): each owns blocks for its whole prompt,
-        # so it is admitted ahead of `waiting`, where a preempted request waiting for memory
-        # could otherwise block it while it holds the very blocks that request needs.
-        self.loaded: deque[Request] = deque()
-        self.num_expired_leases = 0
-        self._held: dict[str, int] = {}  # prefill: blocks kept for a decode side -> last step
-        self._skip_zero_block_ids: set[int] = set()
-        self.blocks_skipped = 0
-        self.num_failed_loads = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_step = 0
         self.freed = DeferredFree(kv)
+        self.pd = Disaggregation(disagg, kv, self.freed, self.requests, self._fail_now) if disagg else None
+        self._skip_zero_block_ids: set[int] = set()
+        self.blocks_skipped = 0
         self._finished_for_workers: list[str] = []
         self.blocks_zeroed = 0
         self.num_preemptions = 0
@@ -95,18 +87,15 @@ class Scheduler(DisaggScheduling):
     def add_request(self, req: Request) -> None:
         if req.req_id in self._aborted:
             raise InvalidRequestError(f"request {req.req_id!r} was aborted before it arrived")
-        if (
-            req.req_id in self.requests
-            or req.req_id in self.freed
-            or req.req_id in self._held
-            or req.req_id in self.loading
-        ):
+        if req.req_id in self.requests or req.req_id in self.freed or (self.pd and self.pd.owns(req.req_id)):
             raise InvalidRequestError(f"request id {req.req_id!r} is already in use", param="request_id")
         if not req.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         self.check_length(req.num_prompt_tokens, req.sampling.max_tokens)
         if req.kv_transfer_params is not None:
-            self._check_transfer(req)
+            if self.pd is None:
+                raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
+            self.pd.check_request(req)
         limits = self.stop.plain_limits(req)
         if limits is not None and not req.sampling.logprobs and not req.do_remote_decode:
             req.plain_until, req.plain_stop_id = limits
@@ -131,10 +120,11 @@ class Scheduler(DisaggScheduling):
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks. On a prefill engine this also drops KV held for
         a decode side that will never read it (the client left between the two engines)."""
-        self._release_held(req_id)
+        if self.pd is not None:
+            self.pd.release_held(req_id)
         req = self.requests.get(req_id)
         if req is None:
-            if req_id not in self.loading and req_id not in self.freed:
+            if req_id not in self.freed and not (self.pd and self.pd.owns(req_id)):
                 self._aborted[req_id] = None
                 while len(self._aborted) > _MAX_ABORTED_IDS:
                     del self._aborted[next(iter(self._aborted))]
@@ -147,14 +137,12 @@ class Scheduler(DisaggScheduling):
         outs, self._outputs = self._outputs, []
         return outs
 
-    @property
-    def num_held(self) -> int:
-        """Prefill side: requests whose KV waits for a decode side to read it."""
-        return len(self._held)
-
-    def is_held(self, req_id: str) -> bool:
-        """Prefill side: whether the request's blocks still wait for a decode side to read them."""
-        return req_id in self._held
+    def disaggregation(self) -> Disaggregation:
+        """The PD component, which every PD path needs; its absence is a wiring bug, reported as
+        one (not an `assert`, which `python -O` removes)."""
+        if self.pd is None:
+            raise RuntimeError("a PD code path ran in a colocated engine")
+        return self.pd
 
     def has_work(self) -> bool:
         """Anything left to schedule, to wait for or to tell the workers; an idle engine holds
@@ -162,11 +150,9 @@ class Scheduler(DisaggScheduling):
         return bool(
             self._finished_for_workers
             or self.waiting
-            or self.loaded
             or self.running
-            or self._needs_polling()
             or len(self.freed)
-            or (self.connector is not None and self.connector.has_pending_meta)
+            or (self.pd is not None and self.pd.has_work())
         )
 
     # -- scheduling -------------------------------------------------------------------
@@ -225,19 +211,20 @@ class Scheduler(DisaggScheduling):
                 self._publish(req)
             budget -= n
 
-        while self.loaded and budget > 0 and not preempted:
-            req = self.loaded[0]
+        pd = self.pd
+        while pd is not None and pd.loaded and budget > 0 and not preempted:
+            req = pd.loaded[0]
             n = self._admit(req, req.num_computed_tokens, 0, budget, step, new_reqs, cached, tokens, starts)
             if n == 0:
                 break
-            self.loaded.popleft()
+            pd.loaded.popleft()
             budget -= n
 
         while (
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) + len(self.loading) + len(self.loaded) < self.config.max_num_seqs
+            and len(self.running) + (pd.num_admitted if pd else 0) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
@@ -246,37 +233,28 @@ class Scheduler(DisaggScheduling):
                 hit = fresh_hit = 0  # recomputed from scratch; its old blocks are gone
             else:
                 hit = fresh_hit = self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
-            params = req.kv_transfer_params
-            if params is not None and not req.load_done:
-                external, _ = self.link.get_num_new_matched_tokens(params, hit)
-                if external > 0 and self.link.lease_ok(params):
-                    # Blocks for the whole prompt: once loaded, the request can always compute
-                    # its last prompt token without waiting for memory held by others.
-                    if (
-                        self.kv.allocate_slots(req.req_id, req.num_prompt_tokens, num_new_computed_tokens=fresh_hit)
-                        is None
-                    ):
-                        break
+            if pd is not None:
+                load = pd.start_load(req, hit, fresh_hit, step)
+                if load is LoadStart.NO_ROOM:
+                    break
+                if load is LoadStart.STARTED:
                     self.waiting.popleft()
-                    self._start_remote_load(req, hit, external, step)
+                    # The fix (docs/design.md §2): the blocks this load fills stay out of the zero list.
+                    self._skip_zero_block_ids.update(pd.covered_block_ids(req))
                     continue
-                if external > 0:  # never start a READ that may race the lease's end
-                    self.num_expired_leases += 1
-                    if not self._load_failed(req, "its KV lease at the prefill engine expired before the load"):
-                        continue  # failed and dequeued
+                if load is LoadStart.FAILED:
+                    continue  # ended by the failure policy, and so dequeued
             n = self._admit(req, hit, fresh_hit, budget, step, new_reqs, cached, tokens, starts)
             if n == 0:
                 break
             self.waiting.popleft()
-            if params is not None and not req.load_done:
-                # Computed locally (a local prefix hit covers the grant, or the lease ran out):
-                # the prefill side's copy is not needed. Only now that the blocks are ours.
-                self.link.notify_abandoned(params)
-                req.load_done = True
+            if pd is not None:
+                pd.computed_locally(req)
             budget -= n
 
-        meta = self.connector.build_connector_meta() if self.connector is not None else None
-        if not tokens and meta is None and not self._needs_polling() and not self._finished_for_workers:
+        meta = pd.connector.build_connector_meta() if pd is not None else None
+        polling = pd is not None and pd.needs_polling()
+        if not tokens and meta is None and not polling and not self._finished_for_workers:
             return None
         self._next_step += 1
         if starts:
@@ -314,10 +292,6 @@ class Scheduler(DisaggScheduling):
             req.known_to_workers = True
         self._commit(req, n, step, tokens, starts)
         return n
-
-    def _needs_polling(self) -> bool:
-        """Transfers in flight only report through a step's result, so keep stepping."""
-        return bool(self.loading or self._held)
 
     def _commit(self, req: Request, n: int, step: int, tokens: dict[str, int], starts: dict[str, int]) -> None:
         """Schedule `n` tokens of an admitted request (the running loop in `schedule` does the
@@ -370,7 +344,9 @@ class Scheduler(DisaggScheduling):
             return None
         kept = [b for b in owners if b not in skip]
         for req_id in {owners[b] for b in kept}:
-            req = self.requests.get(req_id) or self.loading[req_id]
+            # A request aborted while its READ is in flight is no longer in the table, but its
+            # blocks are still its own.
+            req = self.requests.get(req_id) or self.disaggregation().loading[req_id]
             req.last_step = max(req.last_step, step)
         self.blocks_zeroed += len(kept)
         self.blocks_skipped += len(owners) - len(kept)
@@ -406,7 +382,9 @@ class Scheduler(DisaggScheduling):
             else:
                 if req.do_remote_decode:
                     req.num_tokens_with_placeholders -= 1  # the prompt is in: no output
-                    others.append(self._hand_over(req, result.kv_checksums.get(req_id)))
+                    params = self.disaggregation().hand_over(req, result.kv_checksums.get(req_id))
+                    self._finish(req, "length", keep_blocks=True)
+                    others.append(dataclasses.replace(self._output(req), kv_transfer_params=params))
                     continue
                 outputs.append(token)
                 num_outputs = len(outputs)
@@ -427,8 +405,8 @@ class Scheduler(DisaggScheduling):
         starts = self._step_starts.pop(out.step_id, {})
         for req_id, why in result.failed_reqs.items():
             others.extend(self._worker_failed(out, starts, req_id, why))
-        if self.connector is not None:
-            others.extend(self._transfers_ended(result))
+        if self.pd is not None:
+            self.pd.transfers_ended(result)
         self.freed.reported(out.step_id)
         if self._outputs:
             others[:0] = self.take_outputs()  # ended outside the results (a refused load)
@@ -460,6 +438,13 @@ class Scheduler(DisaggScheduling):
         self._finish(req, "error")
         return [self._output(req)]
 
+    def _fail_now(self, req: Request, why: str) -> None:
+        """End a request with an error outside a step's results (a load failed by policy); its
+        output goes out with the next batch."""
+        req.error = why
+        self._finish(req, "error")
+        self._outputs.append(self._output(req))
+
     def _output(self, req: Request) -> RequestOutput:
         emitted, num_outputs = req.num_emitted, len(req.output_token_ids)
         new = req.output_token_ids[emitted:]
@@ -472,23 +457,15 @@ class Scheduler(DisaggScheduling):
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.loaded:
-            self.loaded.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if (
-            self.connector is not None
-            and req.kv_transfer_params is not None
-            and not req.load_done
-            and req.req_id not in self.loading
-        ):  # a READ in flight notifies when it ends
-            self.connector.notify_abandoned(req.kv_transfer_params)  # never read: free it now
-            req.load_done = True
+        # A load in flight may still write the blocks: they are freed when it ends.
+        if self.pd is not None and self.pd.finished(req):
+            keep_blocks = True
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.forget_blocks_to_zero(req.req_id)
-        # A load in flight may still write the blocks: they are freed when it ends.
-        if not keep_blocks and req.req_id not in self.loading:
+        if not keep_blocks:
             self.freed.release(req.req_id, req.last_step)
         del self.requests[req.req_id]
         if req.known_to_workers:

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
 CITATION = re.compile(r"docs/design\.md\)?\s*§(\d+)(?:\s*[-–]\s*§(\d+))?")
-SOURCES = ["actors", "kv", "models", "api", "serve", "bench", "tests"]
+SOURCES = ["engine", "worker", "actors", "kv", "kernels", "models", "training", "api", "serve", "bench", "tests"]
 
 
 def cited_files() -> list[Path]:

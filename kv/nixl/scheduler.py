@@ -4,8 +4,8 @@ Decode side: it grants the tokens a request's KV transfer supplies (always async
 the READ runs on UCX's own progress, outside the compute stream), remembers which local
 blocks each load fills, and ships the loads to the workers in the step's metadata.
 Prefill side: when a request's prompt is computed it describes where the KV lives
-(`KVTransferParams`) and keeps the blocks until the decode side has read them (its NIXL
-notification) or a lease expires, whichever comes first.
+(`KVTransferParams`) and when its lease ends; the engine's PD component (engine/pd.py) keeps
+the blocks until the decode side has read them (its NIXL notification) or the lease expires.
 
 Leases are in wall-clock seconds (`time.time`), because the deadline travels to the decode
 side in `KVTransferParams.expires_at` and is compared there with that engine's clock. The
@@ -51,7 +51,6 @@ class NixlSchedulerConnector:
         self.clock = clock
         self._loads: list[LoadSpec] = []
         self._notify: list[tuple[str, str]] = []
-        self._leases: dict[str, float] = {}  # prefill request id -> deadline
 
     # -- decode side ------------------------------------------------------------------
 
@@ -101,7 +100,11 @@ class NixlSchedulerConnector:
 
     # -- prefill side -----------------------------------------------------------------
 
-    def request_finished(
+    def lease_deadline(self) -> float:
+        """When a lease granted now ends."""
+        return self.clock() + self.lease_s
+
+    def describe(
         self,
         req_id: str,
         engine_id: str,
@@ -110,35 +113,9 @@ class NixlSchedulerConnector:
         num_tokens: int,
         checksums: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
     ) -> KVTransferParams:
-        """Describe the computed prompt for the decode side and start the blocks' lease;
-        `checksums` (--kv-verify) go with it: per prefill rank, decode rank and group, one per block."""
-        deadline = self.clock() + self.lease_s
+        """Where a computed prompt's KV lies, under a lease that starts now; `checksums`
+        (--kv-verify) go with it: per prefill rank, decode rank and group, one per block."""
         sums = None if checksums is None else tuple(tuple(tuple(tuple(g) for g in t) for t in row) for row in checksums)
-        params = KVTransferParams(
-            engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id, deadline, sums
+        return KVTransferParams(
+            engine_id, agent_name, tuple(tuple(b) for b in block_ids), num_tokens, req_id, self.lease_deadline(), sums
         )
-        self._leases[req_id] = deadline
-        return params
-
-    def renew(self, req_id: str) -> float | None:
-        """A decode side's heartbeat: extend a lease still held; None if it is not (read,
-        abandoned or expired: the blocks may be gone, so nothing is promised)."""
-        if req_id not in self._leases:
-            return None
-        self._leases[req_id] = deadline = self.clock() + self.lease_s
-        return deadline
-
-    def release(self, req_id: str) -> bool:
-        """The decode side has read (or abandoned) the blocks; True if a lease was held."""
-        return self._leases.pop(req_id, None) is not None
-
-    def expired(self) -> list[str]:
-        now = self.clock()
-        gone = [r for r, deadline in self._leases.items() if deadline <= now]
-        for r in gone:
-            del self._leases[r]
-        return gone
-
-    @property
-    def num_leases(self) -> int:
-        return len(self._leases)

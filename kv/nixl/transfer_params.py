@@ -1,9 +1,13 @@
 """Where a prefill engine left a request's KV: the message a decode engine needs to pull it.
 
-The prefill engine answers a request with these parameters; they travel through the
-ingress as JSON (HTTP body, Ray call) to the decode engine, whose connector READs the
-pages. Because the dict may come from an untrusted client, `from_dict` checks every field
-and its type and refuses unknown keys; nothing is unpickled.
+Who makes them and who trusts them: a prefill engine's scheduler builds them from its own
+block tables (engine/pd.py) and answers the request with them; they stay this typed object
+through the ingress (the output channel or a Ray call) to the decode engine, whose connector
+READs the pages. They never come from an HTTP client: the API has no such field and refuses
+one by name. The processes they cross are raypd's own, but two engines may run different
+builds, and a wrong block id would make a READ copy another request's pages; so they are
+checked once, with `validate`, where they enter the decode engine (`EngineCore.add_request`),
+and a bad one is refused as an invalid request.
 
 The prefill engine keeps the pages only under a lease; `expires_at` (wall-clock seconds, the
 prefill side's clock) travels with them so the decode side never trusts a READ that may have
@@ -13,8 +17,7 @@ raced the lease's free: see `NixlSchedulerConnector.lease_ok`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 # --kv-verify: [prefill rank][decode rank][cache group][block] -> the checksum of the bytes of
@@ -34,7 +37,8 @@ class KVTransferParams:
     # (`Checksums`); None without it
     page_checksums: Checksums | None = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """Raises ValueError naming the first field of the wrong type or range."""
         for name in ("remote_engine_id", "remote_agent_name", "request_id"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -57,20 +61,6 @@ class KVTransferParams:
                 f"got {self.page_checksums!r}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (lists, not tuples)."""
-        out = {
-            "remote_engine_id": self.remote_engine_id,
-            "remote_agent_name": self.remote_agent_name,
-            "remote_block_ids": [list(group) for group in self.remote_block_ids],
-            "num_tokens": self.num_tokens,
-            "request_id": self.request_id,
-            "expires_at": self.expires_at,
-        }
-        if self.page_checksums is not None:
-            out["page_checksums"] = _lists(self.page_checksums)
-        return out
-
     def sliced(self, spans: list[slice]) -> KVTransferParams:
         """The same transfer, reduced to these blocks of each group (with their checksums)."""
         sums = self.page_checksums
@@ -82,45 +72,10 @@ class KVTransferParams:
             else tuple(tuple(tuple(g[s] for g, s in zip(groups, spans)) for groups in row) for row in sums),
         )
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
-        """Parse and validate; raises ValueError naming the first bad field."""
-        if not isinstance(data, Mapping):
-            # ValueError like every other bad field: callers answer it with HTTP 400.
-            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
-        expected = {f.name for f in fields(cls)}
-        if missing := expected - data.keys() - {"expires_at", "page_checksums"}:
-            raise ValueError(f"kv_transfer_params lacks {sorted(missing)}")
-        if unknown := data.keys() - expected:
-            raise ValueError(f"kv_transfer_params has unknown fields {sorted(map(str, unknown))}")
-        groups, sums = data["remote_block_ids"], data.get("page_checksums")
-        if not isinstance(groups, list | tuple) or not all(isinstance(g, list | tuple) for g in groups):
-            raise ValueError(f"remote_block_ids must be a list of lists, got {groups!r}")
-        return cls(
-            remote_engine_id=data["remote_engine_id"],
-            remote_agent_name=data["remote_agent_name"],
-            remote_block_ids=tuple(tuple(g) for g in groups),
-            num_tokens=data["num_tokens"],
-            request_id=data["request_id"],
-            expires_at=data.get("expires_at", float("inf")),
-            page_checksums=None if sums is None else _tuples(sums, 4, "page_checksums"),
-        )
-
 
 def _is_int(value: object) -> bool:
     # JSON true/false parse to bool, which is an int subclass; a block id is never a bool.
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tuples(value: Any, depth: int, name: str) -> Any:
-    """Nested lists `depth` deep as nested tuples; ValueError if they are not."""
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"{name} must be lists nested {depth} deep, got {value!r}")
-    return tuple(_tuples(v, depth - 1, name) for v in value) if depth > 1 else tuple(value)
-
-
-def _lists(value: Any) -> Any:
-    return [_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _shaped(sums: Any, blocks: tuple[tuple[int, ...], ...]) -> bool:

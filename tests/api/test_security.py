@@ -111,12 +111,13 @@ CHANNEL_FRAMES = "actors/socket_frames.py: pickle"
 
 
 def test_nothing_in_the_serving_code_unpickles():
-    """Requests arrive as JSON (pydantic), peers' transfer parameters as checked dicts
-    (`KVTransferParams.from_dict`), NIXL metadata as NIXL's own bytes, weights as safetensors.
+    """Requests arrive as JSON (pydantic), a prefill engine's transfer parameters as a typed
+    message validated where it enters the decode engine (`KVTransferParams.validate`), NIXL
+    metadata as NIXL's own bytes, weights as safetensors.
     Ray's own control plane pickles between cluster members: the cluster's token keeps others out.
     The channels' frames are pickles that only a restricted unpickler reads."""
     found = []
-    for folder in ("api", "serve", "actors", "kv", "models"):
+    for folder in ("api", "serve", "engine", "worker", "actors", "kv", "kernels", "models"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []

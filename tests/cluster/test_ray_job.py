@@ -1,4 +1,4 @@
-"""Deploying with `ray job submit`, as the README tells users: a cluster started with
+"""Deploying with `ray job submit`, as docs/deploying.md tells users: a cluster started with
 `ray start --head` (token auth on), a first job that starts the service detached and exits,
 a second job that load-tests it; both jobs succeed, and `python -m serve --stop` takes it down."""
 

@@ -152,7 +152,7 @@ def test_abort_before_load_notifies_prefill():
     add(s, "big", list(range(30)), remote("big", 29))
     assert s.schedule().num_scheduled_tokens == {"local": 30}  # "big" does not fit yet
     s.abort("big")
-    meta = s.connector.build_connector_meta()
+    meta = s.pd.connector.build_connector_meta()
     assert meta.notify == (("agent-p", "big"),)
 
 
@@ -165,14 +165,14 @@ def test_prefill_side_holds_blocks_until_notified_or_lease():
         StopChecker(None, 256),
         DisaggConfig("prefill", "pre-0", lease_s=5, agent_name="agent-p"),
     )
-    s.connector.clock = lambda: clock[0]
+    s.pd.connector.clock = lambda: clock[0]
     for rid in ("x", "y"):
         s.add_request(
             Request(rid, list(range(9)), SamplingParams(max_tokens=1, temperature=0), None, do_remote_decode=True)
         )
     out = s.schedule()
     outs = s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1, "y": 1}))
-    params = {o.req_id: KVTransferParams.from_dict(o.kv_transfer_params) for o in outs}
+    params = {o.req_id: o.kv_transfer_params for o in outs}
     assert params["x"].num_tokens == 9 and params["x"].remote_agent_name == "agent-p"
     held = kv.num_blocks - kv.num_free_blocks
     poll = s.schedule()
@@ -198,7 +198,7 @@ def test_abort_on_prefill_drops_held_blocks():
     s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1}))
     assert kv.num_free_blocks < kv.num_blocks
     s.abort("x")  # the client left before any decode engine took the request
-    assert kv.num_free_blocks == kv.num_blocks and s.connector.num_leases == 0
+    assert kv.num_free_blocks == kv.num_blocks and len(s.pd.held) == 0
 
 
 def test_loads_fill_the_pool_without_deadlock():

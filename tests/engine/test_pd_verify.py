@@ -22,7 +22,7 @@ def hand_over(checksums: list[list[list[list[int]]]] | None) -> KVTransferParams
     out = s.schedule()
     kv_checksums = {} if checksums is None else {"x": checksums}
     (done,) = s.update_from_output(out, ModelRunnerOutput(out.step_id, {"x": 1}, kv_checksums=kv_checksums))
-    return KVTransferParams.from_dict(done.kv_transfer_params)
+    return done.kv_transfer_params
 
 
 def test_checksums_travel_with_the_hand_over_block_for_block():

@@ -167,7 +167,7 @@ def expiring(req_id: str, num_tokens: int, expires_at: float, groups=HYBRID) -> 
 def test_finding6_no_read_starts_after_the_lease(policy):
     s = decode_scheduler(policy=policy)
     clock = [100.0]
-    s.connector.clock = lambda: clock[0]
+    s.pd.connector.clock = lambda: clock[0]
     add(s, "d", list(range(10)), expiring("d", 9, expires_at=100.1))  # within the safety margin
     out = s.schedule()
     assert not (out and out.kv_connector_meta and out.kv_connector_meta.loads)
@@ -177,13 +177,13 @@ def test_finding6_no_read_starts_after_the_lease(policy):
         (failed,) = s.take_outputs() or [o for o in [] if o]
         assert failed.finish_reason == "error" and "lease" in failed.error
         assert s.kv.num_free_blocks == s.kv.num_blocks
-    assert s.num_expired_leases == 1
+    assert s.pd.num_expired_leases == 1
 
 
 def test_finding6_a_read_that_ends_after_the_lease_counts_as_failed():
     s = decode_scheduler()
     clock = [100.0]
-    s.connector.clock = lambda: clock[0]
+    s.pd.connector.clock = lambda: clock[0]
     add(s, "d", list(range(14)), expiring("d", 13, expires_at=110.0))
     out = s.schedule()
     assert len(out.kv_connector_meta.loads) == 1
@@ -193,7 +193,7 @@ def test_finding6_a_read_that_ends_after_the_lease_counts_as_failed():
     nxt = s.schedule()
     assert nxt.new_reqs[0].num_computed_tokens == 0  # recomputed, not trusted
     assert set(ids) <= set(nxt.new_block_ids_to_zero)  # I2 after an untrusted load
-    assert s.num_expired_leases == 1 and s.num_failed_loads == 1
+    assert s.pd.num_expired_leases == 1 and s.pd.num_failed_loads == 1
 
 
 def test_a_request_the_worker_could_not_run_fails_alone():

@@ -39,7 +39,7 @@ def test_prefill_and_decode_node_types_carry_their_resource_and_a_gpu(cluster):
     assert not set(ROLE_RESOURCES.values()) & set(head), "no engine should be pinned to the head"
 
 
-def test_setup_installs_the_project_as_the_readme_does(cluster):
+def test_setup_installs_the_project_as_the_deploying_guide_does(cluster):
     assert any("make setup" in cmd for cmd in cluster["setup_commands"])
     assert any("ray start --head" in cmd for cmd in cluster["head_start_ray_commands"])
 

@@ -46,8 +46,7 @@ class SimEngine:
             s.kv.num_free_blocks,
             len(s.waiting),
             len(s.running),
-            len(s.loading),
-            s.num_held,
+            *((len(s.pd.loading), len(s.pd.held)) if s.pd else ()),
             self.workers[0].steps_run if s.running else 0,
         )
 
@@ -69,7 +68,8 @@ class SimEngine:
         return (
             f"{self.name}: free {s.kv.num_free_blocks}/{s.kv.num_blocks}, "
             f"waiting [{', '.join(map(req, s.waiting))}], running [{', '.join(map(req, s.running))}], "
-            f"loading {sorted(s.loading)}, held {s.num_held}, block owners {owners}, "
+            f"loading {sorted(s.pd.loading) if s.pd else []}, held {len(s.pd.held) if s.pd else 0}, "
+            f"block owners {owners}, "
             f"failure {self.core._failure!r}"
         )
 
@@ -112,10 +112,12 @@ def build_engine(
     disagg = (
         None
         if role == "colocated"
-        else DisaggConfig(role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, workers[0].agent_name)
+        else DisaggConfig(
+            role, name, shape.lease_s, debug_zero_loaded_blocks, shape.policy, workers[0].agent_name, tp_size=tp
+        )
     )
     scheduler = Scheduler(cfg, kv, StopChecker(None, MAX_MODEL_LEN), disagg)
-    if scheduler.connector is not None:
-        scheduler.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds
+    if scheduler.pd is not None:
+        scheduler.pd.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds
     core = EngineCore(scheduler, [w.executor() for w in workers], shape.async_scheduling, eos_token_id=EOS)
     return SimEngine(name, core, workers, EngineClient(EngineCalls.local(core)))

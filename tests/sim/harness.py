@@ -137,11 +137,11 @@ async def _pd_phase(
         landed_before_zeroing=fabric.stats.landed_before_zeroing,
         decode_preemptions=decode.scheduler.num_preemptions,
         blocks_skipped=decode.scheduler.blocks_skipped,
-        decode_failed_loads=decode.scheduler.num_failed_loads,
+        decode_failed_loads=decode.scheduler.pd.num_failed_loads,
         # loads that failed on some ranks and landed on the others (the merge must fail them)
         one_rank_failed=sum(len(r) < shape.decode_tp for r in fabric.stats.failed_ranks.values()),
         failed_load_reqs=len(fabric.stats.failed_ranks),
-        expired_leases=decode.scheduler.num_expired_leases,
+        expired_leases=decode.scheduler.pd.num_expired_leases,
         aborted=sum(s.abort is not None for s in specs),
         completed=sum(o.finish in ("length", "stop") for o in outs.values()),
     )
