@@ -3,12 +3,9 @@ two pages; `page_checksums` travel in `KVTransferParams` only in the shape of it
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from kv.nixl.transfer_params import KVTransferParams
 from kv.nixl.verify import _weighted_sums, checksum_blocks, corrupt, mismatched
 
 
@@ -37,26 +34,6 @@ def test_mismatched_names_the_corrupted_block():
     assert mismatched(bufs, [4, 5], want) == [5]
 
 
-def test_transfer_params_carry_checksums_per_rank_pair_shaped_like_their_blocks():
-    # Two prefill ranks x one decode rank, two groups.
-    p = KVTransferParams("e", "a", ((1, 2), (7,)), 8, "r", 5.0, ((((10, -20), (30,)),), (((11, 21), (31,)),)))
-    p.validate()
-    assert p.sliced([slice(1, 2), slice(0, 1)]).page_checksums == ((((-20,), (30,)),), (((21,), (31,)),))
-    one = [[[10, 20], [30]]]
-    for bad in (
-        [[[[10], [30]]]],  # a group one block short
-        [[[[10, "x"], [30]]]],
-        [[[[10, 20]]]],  # a group missing
-        [[[[10, 20], [30]]], [[[10, 20], [30]], [[10, 20], [30]]]],  # prefill ranks with unequal decode ranks
-        [],
-        [[]],
-        one,  # three levels, not four
-        5,
-    ):
-        with pytest.raises(ValueError, match="page_checksums"):
-            dataclasses.replace(p, page_checksums=_tuples(bad)).validate()
-
-
 def test_spans_checksum_only_their_bytes():
     bufs = buffers(2)
     spans = [(0, 4), (8, 4)]
@@ -66,8 +43,3 @@ def test_spans_checksum_only_their_bytes():
     bufs[1][1, 9] ^= 1  # inside
     assert mismatched(bufs, [1], before, spans) == [1]
     assert _weighted_sums(bufs, [1], spans) != _weighted_sums(bufs, [1], [(8, 4), (0, 4)])
-
-
-def _tuples(value: object) -> object:
-    """Nested lists as the nested tuples a `KVTransferParams` holds."""
-    return tuple(map(_tuples, value)) if isinstance(value, list) else value

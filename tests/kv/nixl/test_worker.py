@@ -9,11 +9,9 @@ is what acknowledges the READs there.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
-import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -296,35 +294,6 @@ def test_constructor_and_add_peer_validate():
         b.add_peer(a.metadata())
     a.close()
     b.close()
-
-
-def test_transfer_params_cross_processes_unchanged():
-    p = KVTransferParams("engine", "agent", ((1, 2), (), (7,)), 9, "req", 12.5)
-    assert pickle.loads(pickle.dumps(p)) == p
-    p.validate()
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        {"num_tokens": "9"},
-        {"num_tokens": True},
-        {"num_tokens": -1},
-        {"remote_block_ids": ((1, "2"),)},
-        {"remote_block_ids": ((1, -2),)},
-        {"remote_block_ids": (1, 2)},
-        {"remote_block_ids": [[1, 2]]},
-        {"remote_block_ids": "12"},
-        {"request_id": 5},
-        {"remote_agent_name": ""},
-        {"expires_at": float("nan")},
-        {"expires_at": "soon"},
-    ],
-)
-def test_transfer_params_validate_names_a_bad_field(change):
-    p = dataclasses.replace(KVTransferParams("engine", "agent", ((1, 2),), 9, "req"), **change)
-    with pytest.raises(ValueError, match=next(iter(change))):
-        p.validate()
 
 
 def wait_gone(pid: int) -> None:
