@@ -42,8 +42,11 @@ class EngineLostError(RuntimeError):
 
 
 def engine_lost(error: BaseException) -> bool:
-    """Whether a call's error means the engine is gone for good: its actor died, or its step loop
-    failed (it then raises EngineFailedError from every call; Ray keeps that as `cause`)."""
+    """Whether a call's error means the engine cannot serve the request: its actor died or could
+    not be reached (Ray's RayActorError, ActorUnavailableError included: the request goes on
+    elsewhere, though the supervisor replaces only a dead engine, serve/engines.py
+    `engine_dead`), or its step loop failed (it then raises EngineFailedError from every call;
+    Ray keeps that as `cause`)."""
     cause = getattr(error, "cause", None)
     return isinstance(error, RayActorError | EngineLostError | EngineFailedError) or isinstance(
         cause, EngineFailedError

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from actors.client import engine_lost
 from actors.engine_actor import RemoteEngine
@@ -107,6 +108,16 @@ def _name_taken(name: str) -> bool:
     return True
 
 
+def engine_dead(error: BaseException) -> bool:
+    """Whether a probe's error means the engine is gone for good, so that it is replaced: its
+    actor died, or its step loop failed. Ray's ActorUnavailableError is not death: a call that
+    could not reach the actor this time while Ray does not know it to be dead ("the task may or
+    may not have been executed"), which a busy or stalled process gives as well as a dying one;
+    killing it would drop every request it holds. A dead engine's next probe says so. (A
+    request's call that meets it does go elsewhere: see `engine_lost`.)"""
+    return engine_lost(error) and not isinstance(error, ActorUnavailableError)
+
+
 class EngineSupervisor:
     """Looks at every engine each `interval_s` and replaces the failed ones. `on_replaced`
     gets the new handle, so the router's clients reach the new actor."""
@@ -143,7 +154,9 @@ class EngineSupervisor:
         except TimeoutError:
             return False  # busy is not dead
         except Exception as e:
-            return engine_lost(e)
+            if engine_dead(e):
+                return True
+            log.warning("engine %s did not answer its probe (%r); probing again", name, e)
         return False
 
     async def replace(self, name: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from actors.ports import free_port
 from engine.config import Config
@@ -82,6 +83,17 @@ def kill_when_busy(names: tuple[str, ...], within_s: float = 20.0) -> str:
                 return name
         time.sleep(0.01)
     raise AssertionError(f"none of {names} got busy")
+
+
+def resumed(client: httpx.Client) -> float:
+    """Engine requests resumed after their engine was lost, so far (the ingress's counter)."""
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == "raypd_requests_resumed_total")
+
+
+def incarnations() -> dict[str, str]:
+    """Each engine's current actor: a replaced engine is a new actor under the same name."""
+    return {name: engine(name)._actor_id.hex() for name in ENGINES}
 
 
 def stream_text(client: httpx.Client, req: dict[str, Any], on_event: Any = None) -> tuple[str, dict[str, Any]]:
@@ -222,7 +234,14 @@ def test_the_prefill_engine_killed_with_requests_in_flight(server, http, undistu
 
 
 def test_100_clients_dropping_mid_stream_leave_no_block_behind(server, http):
+    """No engine is killed here, so none may look lost: no request resumed elsewhere, no engine
+    replaced. A dropped request once took its engine's other requests with it (Ray cancelled the
+    shared output poller's call with the dropped request's task, actors/client.py `_unowned`):
+    they were resumed, and those that found no engine before their migration deadline were a 503
+    "engine restarting". A supervisor that replaced an engine Ray could not reach for a moment
+    (until serve/engines.py `engine_dead`) would end the same way."""
     n = 100
+    resumed_before, engines_before = resumed(http), incarnations()
 
     async def one(c: httpx.AsyncClient, i: int) -> int | str:
         req = {**body(PROMPTS[i % 3], LONG_TOKENS), "stream": True}
@@ -244,7 +263,9 @@ def test_100_clients_dropping_mid_stream_leave_no_block_behind(server, http):
     statuses = asyncio.run(main())
     assert statuses == [200] * n, [s for s in statuses if s != 200]
     wait_healthy(http)
-    report("clients dropping mid-stream", requests=n, dropped=n)
+    assert resumed(http) == resumed_before, "requests were resumed elsewhere, yet no engine was killed"
+    assert incarnations() == engines_before, "an engine was replaced, yet none was killed"
+    report("clients dropping mid-stream", requests=n, dropped=n, resumed=0, replaced=0)
 
 
 def test_overload_at_3x_capacity_every_request_is_served_or_refused_with_retry_after(server, http):
