@@ -93,12 +93,14 @@ class EngineCore:
         if self._failure is not None:
             raise EngineFailedError(f"engine failed: {self._failure!r}")
         params = kv_transfer_params
+        if params is not None:
+            # Before the refusals below notify the prefill side: a malformed agent name or
+            # request id cannot name whom to notify.
+            try:
+                params.validate()
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="kv_transfer_params") from None
         try:
-            if params is not None:
-                try:
-                    params.validate()
-                except ValueError as e:
-                    raise InvalidRequestError(str(e), param="kv_transfer_params") from None
             sampling.validate()
             if len(self.scheduler.waiting) >= self.max_waiting:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")

@@ -4,6 +4,7 @@ end while others preempt, aborts racing fences and adds, leases that run out."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import Future
 
 import pytest
@@ -218,3 +219,27 @@ def test_a_request_the_worker_could_not_run_fails_alone():
     assert drive(s) == {"other": "length"}
     assert kv.num_free_blocks == kv.num_blocks
     kv.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"request_id": 5}, {"remote_agent_name": ""}, {"num_tokens": -1}, {"remote_block_ids": [[100, 101]]}],
+)
+def test_malformed_transfer_params_are_refused_and_nothing_is_notified(change):
+    """Params that fail validation name nobody to notify: their own agent or request id may be
+    the malformed field, and a notification built from them would fail the worker's step."""
+
+    async def main() -> None:
+        s = decode_scheduler(num_blocks=12)
+        core = EngineCore(s, [HeldStep()], async_scheduling=True, eos_token_id=None)
+        bad = dataclasses.replace(remote("r", 8), **change)
+        with pytest.raises(InvalidRequestError, match=next(iter(change))) as refused:
+            core.add_request("r", list(range(9)), SamplingParams(max_tokens=4, temperature=0), bad)
+        assert refused.value.param == "kv_transfer_params"
+        assert not s.pd.connector.has_pending_meta and not s.has_work()
+        assert not s.requests and s.kv.num_free_blocks == s.kv.num_blocks
+        core.add_request("ok", list(range(9)), SamplingParams(max_tokens=4, temperature=0), remote("ok", 8))
+        assert "ok" in s.requests
+        await core.close()
+
+    asyncio.run(main())
