@@ -27,6 +27,7 @@ from engine.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from engine.pd import STAT_NAMES
 from engine.phases import RequestPhases
 from engine.rank_merge import RankMerger
 from engine.request import Request
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 # the awaitable resolves with the worker's result.
 _POLL_INTERVAL_S = 0.002
 _STALL_RECHECK_S = 0.05
-
-_NO_PD_STATS = {"loading": 0, "held_for_decode": 0, "failed_loads": 0, "expired_leases": 0}
 
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
@@ -166,7 +165,7 @@ class EngineCore:
             {
                 "steps": self.num_steps,
                 "preemptions": s.num_preemptions,
-                **(s.pd.stats() if s.pd is not None else _NO_PD_STATS),
+                **(s.pd.stats() if s.pd is not None else dict.fromkeys(STAT_NAMES, 0)),
                 "rank_merge_partial": self.merger.num_partial,
                 "phases": self.phases.snapshot(),
             },
