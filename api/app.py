@@ -35,6 +35,8 @@ from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
+from api.tokenization import DetokenizeRequest, TokenizeRequest, chat_prompt, detokenize, tokenize
+from api.tool_calls import ToolUse
 from engine.config import Config
 from engine.messages import InvalidRequestError, SamplingParams
 
@@ -109,8 +111,9 @@ class _Server:
         return choices
 
     def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
-        prompt = self.model.render_chat([m.as_template_input() for m in body.messages])
-        ids = self.model.encode(prompt, special=False)  # the template placed any special tokens
+        ids = chat_prompt(
+            self.model, body.messages, body.tools, bool(body.add_generation_prompt), bool(body.continue_final_message)
+        )
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default for chat: whatever the context leaves
@@ -169,11 +172,14 @@ class _Server:
         finally:
             if not streaming:
                 slot.release()
-        # Errors are counted where they are answered (`on_error`).
-        self.metrics.requests.labels(endpoint, "aborted" if collected is None else "success").inc()
+        # Errors are counted where they are answered (`on_error`), a response that cannot be
+        # written (a tool call tool_choice demanded is missing) among them.
         if collected is None:
+            self.metrics.requests.labels(endpoint, "aborted").inc()
             return Response(status_code=499)  # nobody is listening any more
-        return _json(fmt.response(collected))
+        response = _json(fmt.response(collected))
+        self.metrics.requests.labels(endpoint, "success").inc()
+        return response
 
     def _admit(self, num_choices: int) -> Slot:
         if num_choices > self.admission.limit:
@@ -210,7 +216,8 @@ class _Server:
                 async for d in ds:
                     if d.finish_reason is not None:
                         finals.append(d)
-                    yield _event(fmt.chunk(d))
+                    for chunk in fmt.chunks(d):
+                        yield _event(chunk)
             if include_usage:
                 yield _event(fmt.usage_chunk(usage_of(finals)))
             outcome = "success"
@@ -280,10 +287,26 @@ def create_app(
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, bool(body.logprobs))
+        fmt = ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, bool(body.logprobs), ToolUse.of(body)
+        )
         return await server.run(request, fmt, server.chat_choices(body), bool(body.stream), body.include_usage)
 
     app.include_router(v1)
+    # vLLM's routes, outside /v1 as in vLLM, behind the same key.
+    tokens = APIRouter(dependencies=v1.dependencies)
+
+    @tokens.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        server.check_model(body.model)
+        return _json(tokenize(server.model, body))
+
+    @tokens.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        server.check_model(body.model)
+        return _json(detokenize(server.model, body))
+
+    app.include_router(tokens)
 
     @app.get("/health")
     async def health() -> Response:

@@ -106,11 +106,20 @@ def _most_specific(errors: Sequence[Any]) -> Any:
     return next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
 
 
+def _unsupported(error: Any) -> APIError:
+    """A field raypd does not implement, named as the client wrote it (a nested one by its path)."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    where = ".".join(loc)
+    return APIError(400, f"`{where}` is not supported by this server", param=loc[0] if loc else None)
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if errors[0].get("type") == "json_invalid":
         return APIError(400, f"The request body is not valid JSON: {errors[0].get('msg')}.")
     error = _most_specific(errors)
+    if error.get("type") == "extra_forbidden":  # a field of OpenAI's or vLLM's schema raypd does not implement
+        return _unsupported(error)
     # The path without "body" and without pydantic's names of union members
     # ("list[int]", "function-after[...]"): fields and list indices, as the client wrote them.
     loc = [

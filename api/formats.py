@@ -1,15 +1,18 @@
 """How each endpoint writes choices' deltas as OpenAI objects: whole responses, stream chunks
 and the closing usage chunk. Logprobs are the sampled tokens' own (the engine computes no
-alternatives, so `top_logprobs` stays empty)."""
+alternatives, so `top_logprobs` stays empty). A chat with tools has its text split into
+content and tool calls (api/tool_calls.py) the same way whole and streamed."""
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable
 
 from pydantic import BaseModel
 
+from api.errors import APIError
 from api.generation import Delta
 from api.protocol import (
     AssistantMessage,
@@ -22,10 +25,15 @@ from api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from api.text import TextModel
+from api.tool_calls import ParsedCall, ToolCallParser, ToolUse
 
 
 def usage_of(deltas: Iterable[Delta]) -> Usage:
@@ -72,7 +80,8 @@ class Format(ABC):
         return []
 
     @abstractmethod
-    def chunk(self, delta: Delta) -> BaseModel: ...
+    def chunks(self, delta: Delta) -> list[BaseModel]:
+        """The stream chunks for one delta."""
 
     @abstractmethod
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
@@ -101,8 +110,8 @@ class CompletionFormat(Format):
             index=delta.index, text=delta.text, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
         )
 
-    def chunk(self, delta: Delta) -> BaseModel:
-        return Completion(id=self.req_id, model=self.model_name, choices=[self._choice(delta)])
+    def chunks(self, delta: Delta) -> list[BaseModel]:
+        return [Completion(id=self.req_id, model=self.model_name, choices=[self._choice(delta)])]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return Completion(id=self.req_id, model=self.model_name, choices=[], usage=usage)
@@ -116,7 +125,30 @@ class CompletionFormat(Format):
         )
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex}"
+
+
 class ChatFormat(Format):
+    def __init__(
+        self, req_id: str, model_name: str, model: TextModel, logprobs: bool, tools: ToolUse | None = None
+    ) -> None:
+        super().__init__(req_id, model_name, model, logprobs)
+        self.tools = tools
+        self._parsers: dict[int, ToolCallParser] = {}  # each streamed choice's
+
+    def _finish(self, calls: list[ParsedCall], finish: str | None) -> str | None:
+        assert self.tools is not None
+        unmet = self.tools.unmet(calls)
+        if unmet is not None:
+            raise APIError(
+                500,
+                f"{unmet} (raypd does not constrain the output to a call)",
+                type="server_error",
+                code="tool_call_missing",
+            )
+        return "tool_calls" if calls and finish == "stop" else finish
+
     def _logprobs(self, delta: Delta) -> ChatLogprobs | None:
         if not self.logprobs or delta.logprobs is None:
             return None
@@ -137,26 +169,60 @@ class ChatFormat(Format):
             for i in range(num_choices)
         ]
 
-    def chunk(self, delta: Delta) -> BaseModel:
-        choice = ChatChunkChoice(
-            index=delta.index,
-            delta=DeltaMessage(content=delta.text or None),
-            logprobs=self._logprobs(delta),
-            finish_reason=delta.finish_reason,
-        )
-        return ChatCompletionChunk(id=self.req_id, model=self.model_name, choices=[choice])
+    def chunks(self, delta: Delta) -> list[BaseModel]:
+        finish = delta.finish_reason
+        if self.tools is None:
+            messages = [DeltaMessage(content=delta.text or None)]
+        else:
+            parser = self._parsers.setdefault(delta.index, ToolCallParser(self.tools.max_calls))
+            first = len(parser.calls)
+            content, calls = parser.push(delta.text, final=finish is not None)
+            if finish is not None:
+                finish = self._finish(parser.calls, finish)
+            # As OpenAI streams a call: its id, type and name first, then its arguments.
+            messages = [DeltaMessage(content=content)] if content or not calls else []
+            for index, call in enumerate(calls, start=first):
+                head = FunctionCallDelta(name=call.name, arguments="")
+                messages.append(
+                    DeltaMessage(tool_calls=[ToolCallDelta(index=index, id=_call_id(), type="function", function=head)])
+                )
+                messages.append(
+                    DeltaMessage(
+                        tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.arguments))]
+                    )
+                )
+        last = len(messages) - 1
+        return [
+            ChatCompletionChunk(
+                id=self.req_id,
+                model=self.model_name,
+                choices=[
+                    ChatChunkChoice(
+                        index=delta.index,
+                        delta=message,
+                        logprobs=self._logprobs(delta) if i == 0 else None,
+                        finish_reason=finish if i == last else None,
+                    )
+                ],
+            )
+            for i, message in enumerate(messages)
+        ]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(id=self.req_id, model=self.model_name, choices=[], usage=usage)
 
+    def _choice(self, delta: Delta) -> ChatChoice:
+        message, finish = AssistantMessage(content=delta.text), delta.finish_reason
+        if self.tools is not None:
+            parser = ToolCallParser(self.tools.max_calls)
+            content, calls = parser.push(delta.text, final=True)
+            finish = self._finish(calls, finish)
+            tool_calls = [
+                ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+            ]
+            message = AssistantMessage(content=content or None, tool_calls=tool_calls or None)
+        return ChatChoice(index=delta.index, message=message, logprobs=self._logprobs(delta), finish_reason=finish)
+
     def response(self, deltas: list[Delta]) -> BaseModel:
-        choices = [
-            ChatChoice(
-                index=d.index,
-                message=AssistantMessage(content=d.text),
-                logprobs=self._logprobs(d),
-                finish_reason=d.finish_reason,
-            )
-            for d in _joined(deltas)
-        ]
+        choices = [self._choice(d) for d in _joined(deltas)]
         return ChatCompletion(id=self.req_id, model=self.model_name, choices=choices, usage=usage_of(deltas))

@@ -1,7 +1,10 @@
 """OpenAI's protocol as pydantic models: the requests raypd reads and the responses it writes.
 
-Unknown request fields are ignored, as OpenAI's server does, so clients that send newer or
-vendor fields still work. Every known field carries its real bounds in the schema, so
+A request field raypd does not implement is a 400 naming it (`extra="forbid"`), never silently
+ignored: a client that asks for a penalty, a format or a feature the server would not apply
+learns so instead of getting output it did not ask for. The fields that carry no behaviour
+(who the user is, tags, storage and billing hints) are declared and accepted; each says why
+ignoring it changes nothing the client gets. Every known field carries its real bounds in the schema, so
 `/openapi.json` states them and a bad value is a 400 naming the field before any work is
 done. The sampling bounds are the ones `SamplingParams.validate` (which the engine runs again
 at admission) and the sampler accept; what depends on the model (a token id below the
@@ -13,10 +16,11 @@ never a string, and `true` is not a token id.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
 
@@ -27,6 +31,8 @@ MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256  # the engine decodes this many tokens' text after each step to find one
 MAX_TEXT_CHARS = 2**20  # a prompt or a message; far beyond any context, so only a bound on work
 MAX_NAME_CHARS = 256  # model, user and message names
+MAX_METADATA = 16  # key-value pairs in `metadata`, as OpenAI allows
+MAX_TOOLS = 128  # functions in one request, as OpenAI allows
 MAX_MESSAGES = 4096  # messages in a chat, and content parts in one message
 MAX_LOGPROBS = 5  # /v1/completions, as OpenAI allows
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions, as OpenAI allows
@@ -42,14 +48,19 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_TEXT_CHARS)]
 MaxTokens = Annotated[int, Field(ge=1)]  # its upper bound, the context less the prompt, is checked once tokenized
 Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]  # OpenAI's rule
 
 
 def _unix_now() -> int:
     return int(time.time())
 
 
+def _omit_none(value: object) -> bool:
+    return value is None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -71,7 +82,13 @@ class _SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension, for benchmarks that need fixed lengths
-    user: Name | None = None  # accepted and ignored
+    # Accepted and ignored: none of these changes the output, the usage or the response's shape.
+    user: Name | None = None  # an end user's id, for the provider's abuse monitoring
+    safety_identifier: Name | None = None  # OpenAI's newer name for `user`
+    prompt_cache_key: Name | None = None  # a hint for routing to a warm prefix cache: speed only
+    metadata: Annotated[dict[Name, Text], Field(max_length=MAX_METADATA)] | None = None  # tags for stored outputs
+    store: bool | None = None  # raypd stores no outputs; nothing to fetch later either way
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None  # price and latency only
 
     @field_validator("stream_options")
     @classmethod
@@ -131,23 +148,110 @@ class TextPart(_Request):
     text: Text
 
 
+# -- tools: function definitions for the template, calls in the history ---------------
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, handed to the chat template as given
+    # Strict adherence to `parameters` needs constrained decoding; raypd parses what the model wrote.
+    strict: Literal[False] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Request):
+    name: FunctionName
+    arguments: Text  # a JSON object as a string, as OpenAI writes it
+
+
+class MessageToolCall(_Request):
+    id: Name
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_MESSAGES)] | None = None  # assistant only
+    tool_call_id: Name | None = None  # tool only: the call this message answers
 
-    def as_template_input(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in an assistant message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id is only allowed in a tool message")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as transformers hands it to a template; a call's arguments parsed to an
+        object, as vLLM does, since templates write them with `tojson`."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _json_object(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        return message
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"a tool call's arguments are not JSON: {e}", param="messages") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("a tool call's arguments must be a JSON object", param="messages")
+    return value
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call is returned
+    add_generation_prompt: bool | None = True  # vLLM's extension
+    continue_final_message: bool | None = False  # vLLM's extension: the reply goes on the last message
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: object, info: ValidationInfo) -> object:
+        tools = info.data.get("tools") or []
+        if value is not None and value != "none" and not tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {value.function.name!r}, which is not among the tools")
+        return value
 
 
 # -- responses ------------------------------------------------------------------------
@@ -193,9 +297,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -214,8 +330,18 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _omit_none(value: object) -> bool:
-    return value is None
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta carries its id, type and name; later ones add to its arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: FunctionCallDelta
 
 
 class DeltaMessage(BaseModel):
@@ -223,6 +349,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -25,6 +25,7 @@ from models.model_files import load_config, load_generation_config
 # the middle of the text. As in vLLM.
 _CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a partial UTF-8 sequence
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for the message a reply continues
 
 
 class TemplateError(ValueError):
@@ -64,21 +65,35 @@ class TextModel:
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
-    def check_ids(self, ids: Sequence[int]) -> None:
+    def check_ids(self, ids: Sequence[int], param: str = "prompt") -> None:
         """Token ids from a client, checked before they can reach (and crash) the model."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
+                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param
             )
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt for a chat: the model's template when it has one (rendered as transformers
-        does, in a sandbox), else the built-in one: the message contents, one a line."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt for a chat: the model's template when it has one, rendered as transformers'
+        `apply_chat_template` renders it (in a sandbox, `tools` and the generation prompt as its
+        variables, its `tojson`, its way of leaving the last message open), else the built-in
+        one: the message contents, one a line."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt set to false", param="continue_final_message"
+            )
         if self.chat_template is None:
+            if tools:
+                raise InvalidRequestError("the model has no chat template to show it the tools", param="tools")
             return "\n".join(m["content"] for m in messages)
         try:
             import jinja2
@@ -89,16 +104,33 @@ class TextModel:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
+            # Jinja's own escapes HTML and sorts keys; templates are written against transformers' one.
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = tojson
+        if continue_final_message:  # marked, so the text after the last message can be cut off
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens
-            )
+            template = env.from_string(self.chat_template)
+            variables = {"messages": messages, "documents": None, "add_generation_prompt": add_generation_prompt}
+            text = template.render(tools=tools, **variables, **self.special_tokens)
+            # A template that leaves the tools out would have the model answer without them.
+            if tools and text == template.render(tools=None, **variables, **self.special_tokens):
+                raise InvalidRequestError("the model's chat template does not show tools to the model", param="tools")
         except jinja2.TemplateError as e:
             raise TemplateError(f"cannot render the chat template: {e}") from None
+        if not continue_final_message:
+            return text
+        end = text.rfind(_CONTINUE_TAG.strip())
+        if end < 0:
+            raise TemplateError("the chat template drops the final message, so it cannot be continued")
+        # A template that trims the message's trailing space trims the tag's too.
+        return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 
 
 class Detokenizer:

@@ -1,0 +1,334 @@
+"""Tool calling: tools rendered into the prompt exactly as transformers' `apply_chat_template`
+renders them (transformers is the oracle), the Hermes `<tool_call>` parser on whole and streamed
+text, and the chat route's tool calls, whole and streamed, read by the `openai` package.
+
+The shipped models are too small to call a tool on their own, so the route's tests run on an
+engine that replays a recorded output (`ReplayCore`): the detokenizer, stop handling, parser
+and formatter on the way out are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from api import Engine, RoundRobinRouter, create_app
+from api.protocol import ChatMessage, Tool
+from api.tokenization import chat_prompt
+from api.tool_calls import ParsedCall, ToolCallParser, parse_call
+from engine.config import Config
+from engine.messages import EngineStats, OutputBatch, RequestOutput
+from tests.api.test_text import byte_model
+from training.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
+
+TEMPLATE = (Path(__file__).parent / "templates" / "hermes_tools.jinja").read_text()
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "a city; <b>not</b> a country"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+TWO_CALLS = "Let me look.\n" + CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+# -- the parser ---------------------------------------------------------------------------
+
+
+def parse_whole(text: str, max_calls: int | None = None) -> tuple[str, list[ParsedCall]]:
+    return ToolCallParser(max_calls).push(text, final=True)
+
+
+def parse_streamed(pieces: list[str], max_calls: int | None = None) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(max_calls)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        final = i == len(pieces) - 1
+        new, found = parser.push(piece, final)
+        # Before the end, a call's start is shown only with its end: a malformed block whole.
+        assert final or "<tool_call" not in new or "</tool_call>" in content + new, "a call's start leaked"
+        content += new
+        calls += found
+    return content, calls
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("no call here", "no call here", []),
+        (CALL, "", [ParsedCall("get_weather", '{"city": "Zürich"}')]),
+        (
+            TWO_CALLS,
+            "Let me look.",
+            [ParsedCall("get_weather", '{"city": "Zürich"}'), ParsedCall("get_time", "{}")],
+        ),
+        # A call cut off by the end of the output still counts; one that is not JSON stays text.
+        ('<tool_call>{"name": "get_time", "arguments": {}}', "", [ParsedCall("get_time", "{}")]),
+        ("a <tool_call>{not json}</tool_call> b", "a <tool_call>{not json}</tool_call> b", []),
+        ('<tool_call>{"name": 5}</tool_call>', '<tool_call>{"name": 5}</tool_call>', []),
+        (
+            '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+            [],
+        ),
+        ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
+        ("ends with <tool_ca", "ends with <tool_ca", []),
+        ("x < y and <tool> tags", "x < y and <tool> tags", []),
+    ],
+)
+def test_parser_whole_and_streamed_agree(text, content, calls):
+    assert parse_whole(text) == (content, calls)
+    # Streamed a character at a time, and in pieces of three: the same content and calls.
+    assert parse_streamed(list(text)) == (content, calls)
+    assert parse_streamed([text[i : i + 3] for i in range(0, len(text), 3)] or [""]) == (content, calls)
+
+
+def test_parser_holds_back_only_what_may_start_a_call():
+    parser = ToolCallParser()
+    assert parser.push("Sure <tool", final=False) == ("Sure", [])  # the space waits for more content
+    assert parser.push("s are here", final=False) == (" <tools are here", [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    content, calls = parse_whole(TWO_CALLS + " and more text", max_calls=1)
+    assert (content, calls) == ("Let me look.", [ParsedCall("get_weather", '{"city": "Zürich"}')])
+    assert parse_streamed(list(TWO_CALLS + " and more"), max_calls=1) == (content, calls)
+
+
+def test_parse_call_normalizes_arguments_to_json_text():
+    assert parse_call('{"name": "f", "arguments": {"a": [1, 2.5, null]}}') == ParsedCall("f", '{"a": [1, 2.5, null]}')
+    assert parse_call('{"name": "f"}') == ParsedCall("f", "{}")
+    assert parse_call("[1]") is None
+
+
+# -- rendering, with transformers as the oracle ---------------------------------------------
+
+
+def oracle(messages: list[dict], tools: list[dict] | None, **kw) -> str:
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), eos_token="<|endoftext|>")
+    return tok.apply_chat_template(messages, tools=tools, chat_template=TEMPLATE, tokenize=False, **kw)
+
+
+HISTORY = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Weather in Zürich, and the time?"},
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+            },
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "12 °C, rain"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+]
+
+
+def as_oracle_input(messages: list[dict]) -> list[dict]:
+    """The messages as a transformers user passes them: a call's arguments as an object."""
+    out = json.loads(json.dumps(messages))
+    for m in out:
+        for call in m.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return out
+
+
+@pytest.mark.parametrize(
+    "messages, tools, kw",
+    [
+        (HISTORY[:2], [WEATHER, TIME], {"add_generation_prompt": True}),
+        (HISTORY, [WEATHER, TIME], {"add_generation_prompt": True}),
+        (HISTORY[1:2], None, {"add_generation_prompt": True}),
+        (HISTORY[:2], [WEATHER], {"add_generation_prompt": False}),
+        (
+            [*HISTORY[:2], {"role": "assistant", "content": "It is "}],
+            [WEATHER],
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+    ],
+)
+def test_tools_and_history_render_as_transformers_renders_them(messages, tools, kw):
+    model = byte_model(TEMPLATE)
+    expected = oracle(as_oracle_input(messages), tools, **kw)
+    ids = chat_prompt(
+        model,
+        [ChatMessage.model_validate(m) for m in messages],
+        [Tool.model_validate(t) for t in tools] if tools else None,
+        kw["add_generation_prompt"],
+        kw.get("continue_final_message", False),
+    )
+    assert model.tokenizer.decode(ids, skip_special_tokens=False) == expected
+    if tools:
+        assert json.dumps(WEATHER, ensure_ascii=False) in expected  # unescaped, keys in the client's order
+
+
+# -- the chat route -------------------------------------------------------------------------
+
+
+class ReplayCore:
+    """An engine that answers every request with the tokens of `text`, one token per step."""
+
+    def __init__(self, text: str) -> None:
+        self.ids = byte_model().encode(text, special=False) + [EOS_TOKEN_ID]
+        self.pending: list[RequestOutput] = []
+
+    def add_request(self, req_id, ids, sampling, **kw):
+        n = len(self.ids)
+        self.pending += [
+            RequestOutput(req_id, [t], None, "stop" if i == n - 1 else None, len(ids), i + 1)
+            for i, t in enumerate(self.ids)
+        ]
+
+    def abort(self, req_id):
+        self.pending = [o for o in self.pending if o.req_id != req_id]
+
+    async def get_outputs(self, timeout=None):
+        await asyncio.sleep(0)
+        if not self.pending:
+            await asyncio.sleep(timeout or 0.01)
+            return []
+        out, self.pending = self.pending[0], self.pending[1:]
+        return [OutputBatch(others=[out])]
+
+    def stats(self):
+        return EngineStats(0, 0, 8, 8, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hermes") / "tiny-hybrid"
+    shutil.copytree(MODEL_DIR, path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return str(path)
+
+
+def chat(model_dir: str, text: str, fn):
+    """`fn(openai_client)` against the app over an engine that replays `text`."""
+    cfg = Config(model=model_dir, served_model_name="tiny", device="cpu", max_model_len=2048, worker_threads=1)
+
+    async def main():
+        router = RoundRobinRouter([Engine.local("e0", ReplayCore(text))])
+        app = create_app(cfg, router)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://raypd/v1")
+        try:
+            return await fn(openai.AsyncOpenAI(base_url="http://raypd/v1", api_key="x", http_client=http))
+        finally:
+            await http.aclose()
+            await router.close()
+
+    return asyncio.run(main())
+
+
+MESSAGES = [{"role": "user", "content": "Weather in Zürich, and the time?"}]
+
+
+async def whole_and_streamed(client: openai.AsyncOpenAI, **kw):
+    whole = await client.chat.completions.create(model="tiny", messages=MESSAGES, **kw)
+    stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **kw)
+    return whole, [chunk async for chunk in stream]
+
+
+def accumulate(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """What a client builds from the stream: content, the calls by index, the finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+                if call.id is not None:
+                    assert entry["id"] is None, "a call's id is sent once, first"
+                    entry["id"], entry["name"] = call.id, call.function.name
+                else:
+                    assert entry["id"] is not None, "a call's arguments come after its id and name"
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_whole_and_streamed(model_dir):
+    whole, chunks = chat(model_dir, TWO_CALLS, lambda c: whole_and_streamed(c, tools=[WEATHER, TIME]))
+    message = whole.choices[0].message
+    assert message.content == "Let me look." and whole.choices[0].finish_reason == "tool_calls"
+    got = [(c.type, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert got == [("function", "get_weather", {"city": "Zürich"}), ("function", "get_time", {})]
+    assert len({c.id for c in message.tool_calls}) == 2
+    content, calls, finish = accumulate(chunks)
+    assert (content, finish) == ("Let me look.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls
+    ]
+
+
+def test_without_tools_or_with_tool_choice_none_the_text_is_content(model_dir):
+    for kw in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        whole, chunks = chat(model_dir, TWO_CALLS, lambda c, kw=kw: whole_and_streamed(c, **kw))
+        assert whole.choices[0].message.content == TWO_CALLS and whole.choices[0].message.tool_calls is None
+        assert accumulate(chunks) == (TWO_CALLS, {}, "stop")
+
+
+def test_a_malformed_call_stays_content(model_dir):
+    text = 'Hm. <tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    whole, chunks = chat(model_dir, text, lambda c: whole_and_streamed(c, tools=[WEATHER]))
+    assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "stop"
+    assert accumulate(chunks) == (text, {}, "stop")
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize(
+    "text, tool_choice, why",
+    [
+        ("I will not call.", "required", "made none"),
+        (TWO_CALLS, GET_TIME, "called 'get_weather'"),
+    ],
+)
+def test_required_or_named_choice_without_that_call_is_an_error(model_dir, text, tool_choice, why):
+    async def fn(client):
+        with pytest.raises(openai.InternalServerError) as whole:
+            await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice
+            )
+        stream = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=True
+        )
+        with pytest.raises(openai.APIError) as streamed:
+            async for _ in stream:
+                pass
+        return whole.value, streamed.value
+
+    whole, streamed = chat(model_dir, text, fn)
+    assert whole.body["code"] == "tool_call_missing" and why in whole.body["message"]
+    assert why in streamed.message
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_or_named_choice_with_the_call_is_served(model_dir, tool_choice):
+    whole, chunks = chat(
+        model_dir, CALL, lambda c: whole_and_streamed(c, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    )
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+    assert accumulate(chunks)[1][0]["name"] == "get_weather"
