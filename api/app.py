@@ -35,7 +35,7 @@ from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
-from api.tokenization import DetokenizeRequest, TokenizeRequest, chat_prompt, detokenize, tokenize
+from api.tokenization import DetokenizeRequest, TokenizeRequest, chat_prompt, detokenize, tokenize, tokenizer_info
 from api.tool_calls import ToolUse
 from engine.config import Config
 from engine.messages import InvalidRequestError, SamplingParams
@@ -101,13 +101,30 @@ class _Server:
     def completion_choices(self, body: CompletionRequest) -> list[Choice]:
         n = body.num_choices
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-        sampling = body.sampling(max_tokens, logprobs=body.logprobs is not None)
+        hide_output = max_tokens == 0
+        if hide_output:
+            if not body.echo:
+                raise InvalidRequestError("max_tokens=0 is only allowed with echo=true", param="max_tokens")
+            max_tokens = 1  # the prompt's forward samples a token anyway; it is not shown (as vLLM)
+        # With echo, the prompt's logprobs come with the same number of alternatives.
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        sampling = body.sampling(max_tokens, body.logprobs is not None, body.logprobs or 0, prompt_logprobs)
+        body.token_ids_in(self.model.check_ids)
         choices = []
         for p, prompt in enumerate(body.prompts()):
             ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._check_length(ids, "prompt", max_tokens, "max_tokens")
             self.model.check_ids(ids)
-            choices += [self._choice(p * n + i, ids, sampling, i) for i in range(n)]
+            echo = None
+            if body.echo:
+                echo = (
+                    prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids, skip_special_tokens=False)
+                )
+            choices += [
+                replace(self._choice(p * n + i, ids, sampling, i), echo=echo, hide_output=hide_output) for i in range(n)
+            ]
         return choices
 
     def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
@@ -119,7 +136,10 @@ class _Server:
         if max_tokens is None:  # OpenAI's default for chat: whatever the context leaves
             max_tokens = max(1, self.model.max_model_len - len(ids))
         self._check_length(ids, "messages", max_tokens, given)
-        sampling = body.sampling(max_tokens, logprobs=bool(body.logprobs))
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        sampling = body.sampling(max_tokens, bool(body.logprobs), body.top_logprobs or 0)
+        body.token_ids_in(self.model.check_ids)
         return [self._choice(i, ids, sampling, i) for i in range(body.num_choices)]
 
     def _check_length(self, ids: list[int], prompt_param: str, max_tokens: int, max_tokens_param: str) -> None:
@@ -281,7 +301,9 @@ def create_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, body.logprobs is not None)
+        fmt = CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, body.logprobs, body.prompt_logprobs
+        )
         return await server.run(request, fmt, server.completion_choices(body), bool(body.stream), body.include_usage)
 
     @v1.post("/chat/completions")
@@ -305,6 +327,10 @@ def create_app(
     async def detokenize_route(body: DetokenizeRequest) -> Response:
         server.check_model(body.model)
         return _json(detokenize(server.model, body))
+
+    @tokens.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return _json(tokenizer_info(server.model))
 
     app.include_router(tokens)
 

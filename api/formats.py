@@ -1,6 +1,6 @@
 """How each endpoint writes choices' deltas as OpenAI objects: whole responses, stream chunks
-and the closing usage chunk. Logprobs are the sampled tokens' own (the engine computes no
-alternatives, so `top_logprobs` stays empty). A chat with tools has its text split into
+and the closing usage chunk. Logprobs are the sampled tokens' own and their alternatives, as
+the workers computed them (worker/sampler.py); an echoed prompt's come from its prefill. A chat with tools has its text split into
 content and tool calls (api/tool_calls.py) the same way whole and streamed."""
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from api.protocol import (
     DeltaMessage,
     FunctionCall,
     FunctionCallDelta,
+    PromptLogprob,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
+    TopLogprob,
     Usage,
 )
 from api.text import TextModel
 from api.tool_calls import ParsedCall, ToolCallParser, ToolUse
+from engine.messages import TopLogprobs
 
 
 def usage_of(deltas: Iterable[Delta]) -> Usage:
@@ -53,6 +56,7 @@ def _joined(deltas: Iterable[Delta]) -> list[Delta]:
     for index in sorted(by_index):
         parts = by_index[index]
         logprobs = [lp for d in parts for lp in d.logprobs or ()]
+        top = [t for d in parts for t in d.top_logprobs or ()]
         last = parts[-1]
         joined.append(
             Delta(
@@ -63,6 +67,8 @@ def _joined(deltas: Iterable[Delta]) -> list[Delta]:
                 last.finish_reason,
                 last.prompt_tokens,
                 last.completion_tokens,
+                top or None,
+                next((d.prompt for d in parts if d.prompt is not None), None),
             )
         )
     return joined
@@ -91,23 +97,79 @@ class Format(ABC):
 
 
 class CompletionFormat(Format):
-    def __init__(self, req_id: str, model_name: str, model: TextModel, logprobs: bool) -> None:
-        super().__init__(req_id, model_name, model, logprobs)
+    """`logprobs` (N, or None): each token's logprob and a dict of the N most likely tokens and
+    itself, by text, as OpenAI's legacy completions; with `echo` the prompt's tokens come first
+    (the first with None). `prompt_logprobs` (vLLM's): the prompt's, by token id, in their own field."""
+
+    def __init__(
+        self, req_id: str, model_name: str, model: TextModel, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> None:
+        super().__init__(req_id, model_name, model, logprobs is not None)
+        self.top_n = logprobs or 0
+        self.prompt_logprobs = prompt_logprobs
         self._offsets: dict[int, int] = defaultdict(int)  # text offset of each choice's next token
 
+    def _top(self, own: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
+        text = self.model.token_text
+        alternatives = {text(t): lp for t, lp in (top or [])[: self.top_n]}
+        alternatives.setdefault(text(own), logprob)
+        return alternatives
+
     def _logprobs(self, delta: Delta) -> CompletionLogprobs | None:
-        if not self.logprobs or delta.logprobs is None:
+        if not self.logprobs:
             return None
-        tokens = [self.model.token_text(t) for t in delta.token_ids]
+        ids: list[int] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        prompt = delta.prompt
+        if prompt is not None and prompt.text is not None:
+            ids += prompt.token_ids
+            scored = prompt.logprobs
+            logprobs.append(None)
+            tops.append(None)
+            for i, token in enumerate(prompt.token_ids[1:]):
+                if scored is None or i >= len(scored.logprobs):
+                    logprobs.append(None)
+                    tops.append(None)
+                    continue
+                logprobs.append(scored.logprobs[i])
+                tops.append(self._top(token, scored.logprobs[i], scored.top[i]))
+        if delta.logprobs is not None:
+            ids += delta.token_ids
+            logprobs += delta.logprobs
+            top = delta.top_logprobs or [None] * len(delta.logprobs)
+            tops += [self._top(t, lp, a) for t, lp, a in zip(delta.token_ids, delta.logprobs, top)]
+        if not ids:
+            return None
+        tokens = [self.model.token_text(t) for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(self._offsets[delta.index])
             self._offsets[delta.index] += len(token)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=list(delta.logprobs), text_offset=offsets)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets, top_logprobs=tops)
+
+    def _prompt_logprobs(self, delta: Delta) -> list[dict[str, PromptLogprob] | None] | None:
+        prompt = delta.prompt
+        if self.prompt_logprobs is None or prompt is None or prompt.logprobs is None:
+            return None
+        text = self.model.token_text
+        scored = prompt.logprobs
+        entries: list[dict[str, PromptLogprob] | None] = [None]
+        for token, logprob, top in zip(prompt.token_ids[1:], scored.logprobs, scored.top):
+            entry = {str(token): PromptLogprob(logprob=logprob, decoded_token=text(token))}
+            for t, lp in top[: self.prompt_logprobs]:
+                entry.setdefault(str(t), PromptLogprob(logprob=lp, decoded_token=text(t)))
+            entries.append(entry)
+        return entries
 
     def _choice(self, delta: Delta) -> CompletionChoice:
+        echo = delta.prompt.text if delta.prompt is not None and delta.prompt.text is not None else ""
         return CompletionChoice(
-            index=delta.index, text=delta.text, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+            index=delta.index,
+            text=echo + delta.text,
+            logprobs=self._logprobs(delta),
+            finish_reason=delta.finish_reason,
+            prompt_logprobs=self._prompt_logprobs(delta),
         )
 
     def chunks(self, delta: Delta) -> list[BaseModel]:
@@ -153,9 +215,14 @@ class ChatFormat(Format):
         if not self.logprobs or delta.logprobs is None:
             return None
         content = []
-        for token_id, logprob in zip(delta.token_ids, delta.logprobs, strict=False):
-            token = self.model.token_text(token_id)
-            content.append(TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode())))
+        text = self.model.token_text
+        tops = delta.top_logprobs or [[] for _ in delta.logprobs]
+        for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=False):
+            token = text(token_id)
+            alternatives = [TopLogprob(token=text(t), logprob=lp, bytes=list(text(t).encode())) for t, lp in top]
+            content.append(
+                TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives)
+            )
         return ChatLogprobs(content=content)
 
     def opening_chunks(self, num_choices: int) -> list[BaseModel]:

@@ -19,7 +19,7 @@ from api.errors import APIError
 from api.metrics import Metrics, RequestTimer
 from api.router import Router
 from api.text import Detokenizer, StopBuffer, TextModel
-from engine.messages import RequestOutput, SamplingParams
+from engine.messages import Logprobs, RequestOutput, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,18 @@ class Choice:
     prompt_ids: list[int]
     sampling: SamplingParams
     counts_prompt: bool  # the first choice of its prompt: OpenAI counts a prompt's tokens once
+    echo: str | None = None  # the prompt's text, which the response shows before the output
+    # The completion's tokens are not shown (`echo` with max_tokens 0: the engine ran one token).
+    hide_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPart:
+    """A choice's prompt, on its first delta, when the response shows it or its logprobs."""
+
+    text: str | None  # `Choice.echo`
+    token_ids: list[int]
+    logprobs: Logprobs | None  # from token 1, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +55,8 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt: PromptPart | None = None  # on a choice's first delta only
 
 
 class ChoiceStream:
@@ -61,6 +75,7 @@ class ChoiceStream:
         self._metrics = metrics
         self._timer = RequestTimer(metrics, arrival)
         self._last: RequestOutput | None = None
+        self._prompt_shown = False
 
     async def first(self) -> None:
         """Wait for the engine to accept the request and produce its first output."""
@@ -75,7 +90,7 @@ class ChoiceStream:
         try:
             while out is not None:
                 delta = self._delta(out)
-                if delta.finish_reason is not None or delta.text or delta.token_ids:
+                if delta.finish_reason is not None or delta.text or delta.token_ids or delta.prompt:
                     yield delta
                 if delta.finish_reason is not None:
                     return
@@ -92,15 +107,32 @@ class ChoiceStream:
             raise APIError(500, f"The engine failed the request: {out.error or out.finish_reason}", type="server_error")
         self._timer.tokens(len(out.new_token_ids))
         final = out.finish_reason is not None
-        text = self._stop.push(self._detok.push(out.new_token_ids, final), final)
+        choice = self._choice
+        shown = self._detok.push(self._shown_ids(out, final), final)
+        text = self._stop.push(shown, final)
         # A stop string found here ends the choice even if the engine has not seen it yet.
         finish = "stop" if self._stop.stopped else out.finish_reason
+        prompt = None
+        if not self._prompt_shown and (choice.echo is not None or out.prompt_logprobs is not None):
+            self._prompt_shown = True
+            prompt = PromptPart(choice.echo, choice.prompt_ids, out.prompt_logprobs)
+        if choice.hide_output:
+            text, token_ids, logprobs, top = "", [], None, None
+        else:
+            token_ids, logprobs, top = out.new_token_ids, out.logprobs, out.top_logprobs
         if finish is None:
-            return Delta(self._choice.index, text, out.new_token_ids, out.logprobs)
-        prompt_tokens = out.num_prompt_tokens if self._choice.counts_prompt else 0
-        return Delta(
-            self._choice.index, text, out.new_token_ids, out.logprobs, finish, prompt_tokens, out.num_output_tokens
-        )
+            return Delta(choice.index, text, token_ids, logprobs, top_logprobs=top, prompt=prompt)
+        prompt_tokens = out.num_prompt_tokens if choice.counts_prompt else 0
+        completion_tokens = 0 if choice.hide_output else out.num_output_tokens
+        return Delta(choice.index, text, token_ids, logprobs, finish, prompt_tokens, completion_tokens, top, prompt)
+
+    def _shown_ids(self, out: RequestOutput, final: bool) -> list[int]:
+        """The new tokens that become text: a stop token id that ended the output has none, as in vLLM."""
+        ids = out.new_token_ids
+        stop_ids = self._choice.sampling.stop_token_ids
+        if final and out.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+            return ids[:-1]
+        return ids
 
 
 async def start(

@@ -11,9 +11,11 @@ What carries over: greedy decoding continues exactly as an undisturbed run, and 
 seeded sampled request, whose random stream is advanced past the draws of the tokens already
 sent (`SamplingParams.random_offset`). Stop strings are found by the API over the whole output
 (`StopBuffer`), so one that spans the break still ends the choice; EOS and `max_tokens` are per
-token and continue as they were; raypd has no penalties. What does not: an unseeded sampled
-request draws from a fresh stream, so its continuation is a valid sample but not the one the
-lost engine would have drawn.
+token and continue as they were, and so does `min_tokens`. Penalties keep their history: the
+tokens already sent are the new prompt's tail, and `num_prior_outputs` tells the worker to count
+them as outputs. The prompt's logprobs went out with the first output and are not asked for
+again. What does not carry over: an unseeded sampled request draws from a fresh stream, so its
+continuation is a valid sample but not the one the lost engine would have drawn.
 """
 
 from __future__ import annotations
@@ -63,7 +65,14 @@ class Progress:
         self._base = len(self.sent)
         if not self.sent:
             return self.prompt_ids, self.sampling
-        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.sent))
+        sent = len(self.sent)
+        sampling = replace(
+            self.sampling,
+            max_tokens=self.sampling.max_tokens - sent,
+            min_tokens=max(0, self.sampling.min_tokens - sent),
+            num_prior_outputs=self.sampling.num_prior_outputs + sent,
+            prompt_logprobs=None,
+        )
         if sampling.seed is not None and not sampling.greedy:
             # One draw per token sent: the new engine's stream starts where the lost one was.
             sampling = replace(sampling, random_offset=sampling.random_offset + len(self.sent))

@@ -18,11 +18,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.messages import MAX_TOP_K, InvalidRequestError, SamplingParams
+from engine.messages import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 MAX_N = 16  # choices per request; each choice is one engine request
 MAX_PROMPTS = 64  # prompts in one completion request, each run n times
@@ -35,7 +43,8 @@ MAX_METADATA = 16  # key-value pairs in `metadata`, as OpenAI allows
 MAX_TOOLS = 128  # functions in one request, as OpenAI allows
 MAX_MESSAGES = 4096  # messages in a chat, and content parts in one message
 MAX_LOGPROBS = 5  # /v1/completions, as OpenAI allows
-MAX_TOP_LOGPROBS = 20  # /v1/chat/completions, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions, as OpenAI allows; also vLLM's prompt_logprobs here
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of logit_bias; each is one scatter per sampled row
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes as a signed seed
 
 
@@ -48,6 +57,9 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_TEXT_CHARS)]
 MaxTokens = Annotated[int, Field(ge=1)]  # its upper bound, the context less the prompt, is checked once tokenized
 Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON keys are strings: a token id in one
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]  # OpenAI's rule
 
 
@@ -82,6 +94,14 @@ class _SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension, for benchmarks that need fixed lengths
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    # vLLM's extensions:
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # its upper bound is max_tokens
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # Accepted and ignored: none of these changes the output, the usage or the response's shape.
     user: Name | None = None  # an end user's id, for the provider's abuse monitoring
     safety_identifier: Name | None = None  # OpenAI's newer name for `user`
@@ -106,7 +126,16 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def token_ids_in(self, check: Callable[[list[int], str], None]) -> None:
+        """The token ids the knobs name, checked against the vocabulary by `check(ids, param)`."""
+        if self.stop_token_ids:
+            check(self.stop_token_ids, "stop_token_ids")
+        if self.logit_bias:
+            check([int(t) for t in self.logit_bias], "logit_bias")
+
+    def sampling(
+        self, max_tokens: int, logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         top_k = self.top_k or 0
         params = SamplingParams(
@@ -118,6 +147,15 @@ class _SamplingRequest(_Request):
             stop=tuple(stop),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
         )
         params.validate()
         return params
@@ -130,7 +168,10 @@ class CompletionRequest(_SamplingRequest):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False  # the prompt comes back before the completion, with its logprobs if asked
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's extension
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize, or token ids as given."""
@@ -265,9 +306,17 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token, as OpenAI
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None = None  # alternatives are not computed
+    # Per token, the `logprobs` most likely tokens and the token itself, by their text.
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt logprob."""
+
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -275,6 +324,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's `prompt_logprobs`: None for the first token, then by token id the prompt's token and
+    # its alternatives; only when asked for.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class Completion(BaseModel):
@@ -286,11 +338,17 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class TokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict[str, object]] = []  # alternatives are not computed
+    top_logprobs: list[TopLogprob] = []  # the `top_logprobs` most likely tokens, best first
 
 
 class ChatLogprobs(BaseModel):

@@ -10,7 +10,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
@@ -136,11 +136,18 @@ class PDRouter(Router):
         # the prefill side it never will (an abort, a refusal, a local hit), or the lease ends.
         # Freeing them from here could race a READ the decode engine has already posted.
         decode = next(self._decode).client
+        # The prompt's logprobs came with the hand-over (the prefill engine ran its forward):
+        # they go out with the first token, and the decode side computes none.
+        prompt_logprobs = handed_over.prompt_logprobs
+        if sampling.prompt_logprobs is not None:
+            sampling = replace(sampling, prompt_logprobs=None)
         try:
             async with aclosing(
                 decode.generate(prompt_ids, sampling, req_id, kv_transfer_params=handed_over.kv_transfer_params)
             ) as stream:
                 async for out in stream:
+                    if prompt_logprobs is not None:
+                        out, prompt_logprobs = replace(out, prompt_logprobs=prompt_logprobs), None
                     yield out
         except EngineLostError:
             # Unless the decode engine is gone: a READ it posted can still only read the blocks,

@@ -104,12 +104,15 @@ class EngineCore:
             if len(self.scheduler.waiting) >= self.max_waiting:
                 raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
             prompt = list(prompt_token_ids)
+            scored_tail: tuple[int, ...] = ()
             if do_remote_decode:
                 self.scheduler.check_length(len(prompt), sampling.max_tokens)  # before any prefill work
                 split = self.scheduler.disaggregation().prefill_request(req_id, prompt, sampling)
                 if isinstance(split, RequestOutput):
                     self._publish(OutputBatch(others=[split]))
                     return
+                if sampling.prompt_logprobs is not None:
+                    scored_tail = tuple(prompt[len(split[0]) :])  # the decode side computes it
                 prompt, sampling = split
             self.scheduler.add_request(
                 Request(
@@ -119,6 +122,7 @@ class EngineCore:
                     self.eos_token_id,
                     kv_transfer_params=params,
                     do_remote_decode=do_remote_decode,
+                    scored_tail=scored_tail,
                 )
             )
             self.phases.arrived(req_id)

@@ -54,8 +54,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# Alternatives a logprob may come with: OpenAI's bound for chat (completions allow 5).
+MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's
+MAX_STOP_TOKEN_IDS = 256  # each is compared with every sampled token
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How a request samples; the knobs past `top_k` have vLLM's semantics (worker/sampler.py)."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,16 +72,40 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # each output token's own logprob
+    top_logprobs: int = 0  # and its N most likely alternatives (needs `logprobs`)
+    # The prompt's logprobs, each with this many alternatives; None: not computed.
+    prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and `stop_token_ids` cannot be sampled before this many outputs
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # Draws already taken from this request's seeded random stream: a request resumed on
     # another engine after its own was lost goes on with the stream where it stopped.
     random_offset: int = 0
+    # The prompt's last this many tokens are this request's own earlier outputs (a request
+    # resumed on another engine): penalties count them as generated.
+    num_prior_outputs: int = 0
 
     @property
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows float32 to inf and NaN: such a request
         # would sample garbage. It is greedy for every practical purpose, so it is greedy.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens it has seen (the worker then counts them)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes its logits before the draw beyond temperature and filters:
+        a batch with no such request skips that work entirely."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
         """Refuse what the sampler cannot run; the engine checks again at admission, because
@@ -93,10 +126,76 @@ class SamplingParams:
                 "must fit a signed 64-bit integer",
             ),
             ("random_offset", _is_int(self.random_offset) and self.random_offset >= 0, "must be an integer >= 0"),
+            (
+                "top_logprobs",
+                _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                f"must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+                f"must be null or an integer in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            ("min_p", _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            (
+                "presence_penalty",
+                _is_number(self.presence_penalty) and -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                f"must be in [{-MAX_PENALTY}, {MAX_PENALTY}]",
+            ),
+            (
+                "frequency_penalty",
+                _is_number(self.frequency_penalty) and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                f"must be in [{-MAX_PENALTY}, {MAX_PENALTY}]",
+            ),
+            (
+                "repetition_penalty",
+                _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
+                "must be a finite number above 0",
+            ),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be an integer in [0, max_tokens]",
+            ),
+            (
+                "stop_token_ids",
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                f"must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)",
+            ),
+            (
+                "logit_bias",
+                all(
+                    _is_int(t) and t >= 0 and _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias
+                ),
+                f"must map token ids (integers >= 0) to biases in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+            ),
+            (
+                "num_prior_outputs",
+                _is_int(self.num_prior_outputs) and self.num_prior_outputs >= 0,
+                "must be an integer >= 0",
+            ),
         )
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name}={getattr(self, name)!r} {why}", param=name)
+
+
+# A token's alternatives: the most likely tokens at its position, (token id, logprob), best first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Logprobs of a run of consecutive tokens, each its log_softmax of the raw logits (no
+    temperature, penalty or bias: vLLM's default). For a prompt, `start` is the index of the
+    first token scored (token 0 has nothing before it to be scored on)."""
+
+    start: int
+    logprobs: list[float]
+    top: list[TopLogprobs]  # one list per token, empty when no alternatives were asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +207,9 @@ class NewRequestData:
     sampling: SamplingParams
     block_ids: list[list[int]]  # one list per cache group
     num_computed_tokens: int
+    # Tokens after the prompt that its prompt logprobs also score: a prefill engine computes
+    # the prompt but its last token (engine/pd.py), whose logprob its last row still gives.
+    scored_tail: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +254,9 @@ class ModelRunnerOutput:
     # rank (a worker gives its own), per decode rank, per cache group, one checksum per block,
     # taken right after the forward (kv/nixl/verify.py; the `Checksums` of kv/nixl/transfer_params.py).
     kv_checksums: dict[str, list[list[list[list[int]]]]] = field(default_factory=dict)
+    top_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # of requests that ask
+    # The prompt tokens this step's chunk scored, of requests that ask for prompt logprobs.
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +271,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None  # a prefill engine's answer
+    top_logprobs: list[TopLogprobs] | None = None  # per new token, when asked for
+    # The whole prompt's (start 1), once: with the first output, or a prefill engine's hand-over.
+    prompt_logprobs: Logprobs | None = None
 
 
 # The slots' own setters, which skip the frozen check: see `request_output`.
@@ -181,12 +289,12 @@ def request_output(
     num_output_tokens: int,
     error: str | None,
 ) -> RequestOutput:
-    """`RequestOutput(...)` without `kv_transfer_params`, the same object built in half the
+    """`RequestOutput(...)` without `kv_transfer_params` and alternatives, the same object built in half the
     time. A client builds one per running request per step from an `OutputBatch`, and a frozen
     dataclass's `__init__` sets every field through `object.__setattr__`, which looks each one
     up again."""
     out = object.__new__(RequestOutput)
-    s_id, s_new, s_logprobs, s_reason, s_prompt, s_output, s_error, s_params = _SET_REQUEST_OUTPUT
+    s_id, s_new, s_logprobs, s_reason, s_prompt, s_output, s_error, s_params, s_top, s_prompt_lp = _SET_REQUEST_OUTPUT
     s_id(out, req_id)
     s_new(out, new_token_ids)
     s_logprobs(out, logprobs)
@@ -195,6 +303,8 @@ def request_output(
     s_output(out, num_output_tokens)
     s_error(out, error)
     s_params(out, None)
+    s_top(out, None)
+    s_prompt_lp(out, None)
     return out
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.deferred_free import DeferredFree
-from engine.messages import InvalidRequestError, ModelRunnerOutput, RequestOutput, SamplingParams
+from engine.messages import InvalidRequestError, Logprobs, ModelRunnerOutput, RequestOutput, SamplingParams
 from engine.request import Request, RequestStatus
 from kv.kv_cache_manager import KVCacheManager
 from kv.nixl.scheduler import NixlSchedulerConnector
@@ -141,12 +141,17 @@ class Disaggregation:
         """What a prefill engine computes of a `do_remote_decode` request: the prompt but its
         last token, greedy, one step (§5). The decode side recomputes that token, which gives
         it the first output's logits, and a hybrid's state is then exactly the state after
-        prompt[:-1]. A one-token prompt has nothing to prefill: the hand-over, at once."""
+        prompt[:-1]. A one-token prompt has nothing to prefill: the hand-over, at once.
+
+        Only the prompt's logprobs are kept of the sampling: the prefill engine runs every
+        prompt position but the last, whose row scores the last token (the scored tail), so
+        they travel back with the hand-over and the decode side computes none."""
         if len(prompt) > 1:
-            return prompt[:-1], dataclasses.replace(sampling, max_tokens=1, temperature=0.0, stop=(), logprobs=False)
+            return prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=sampling.prompt_logprobs)
         empty = tuple(() for _ in self.kv.groups)
         params = KVTransferParams(self.config.engine_id, self.config.agent_name, empty, 0, req_id)
-        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params)
+        scored = None if sampling.prompt_logprobs is None else Logprobs(1, [], [])
+        return RequestOutput(req_id, [], None, "length", 1, 0, kv_transfer_params=params, prompt_logprobs=scored)
 
     def hand_over(self, req: Request, checksums: list[list[list[list[int]]]] | None = None) -> KVTransferParams:
         """The prompt is in: hold its blocks for the decode side under a lease, and say where

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.messages import SamplingParams
+from engine.messages import Logprobs, SamplingParams, TopLogprobs
 from kv.nixl.transfer_params import KVTransferParams
 
 
@@ -38,6 +38,12 @@ class Request:
     eos_token_id: int | None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Prompt logprobs as the steps score them (from token 1), sent once with its first output.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    scored_tail: tuple[int, ...] = ()  # NewRequestData.scored_tail
     num_computed_tokens: int = 0
     num_prompt_tokens: int = field(init=False)
     num_tokens_with_placeholders: int = field(init=False)  # prompt, outputs and placeholders
@@ -85,5 +91,29 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Its outputs carry logprobs (of its tokens or its prompt): never a plain token."""
+        return self.sampling.logprobs or self.sampling.prompt_logprobs is not None
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def add_prompt_logprobs(self, run: Logprobs) -> None:
+        """Take a chunk's prompt logprobs; a chunk computed again (after a preemption) adds
+        only what was not scored yet."""
+        have = 1 + len(self.prompt_logprobs)
+        skip = have - run.start
+        if skip < 0:
+            raise RuntimeError(f"request {self.req_id}: prompt logprobs from token {run.start}, expected {have}")
+        self.prompt_logprobs += run.logprobs[skip:]
+        self.prompt_top_logprobs += run.top[skip:]
+
+    def take_prompt_logprobs(self) -> Logprobs | None:
+        """The whole prompt's logprobs once every token is scored, the first time only."""
+        if self.sampling.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        if 1 + len(self.prompt_logprobs) < self.num_prompt_tokens + len(self.scored_tail):
+            return None
+        self.prompt_logprobs_sent = True
+        return Logprobs(1, self.prompt_logprobs, self.prompt_top_logprobs)

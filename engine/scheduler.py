@@ -97,7 +97,7 @@ class Scheduler:
                 raise InvalidRequestError("this engine does not load remote KV", param="kv_transfer_params")
             self.pd.check_request(req)
         limits = self.stop.plain_limits(req)
-        if limits is not None and not req.sampling.logprobs and not req.do_remote_decode:
+        if limits is not None and not req.wants_logprobs and not req.do_remote_decode:
             req.plain_until, req.plain_stop_id = limits
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -229,8 +229,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
-            if req.resumed:
-                hit = fresh_hit = 0  # recomputed from scratch; its old blocks are gone
+            if req.resumed or req.sampling.prompt_logprobs is not None:
+                # Recomputed from scratch (its old blocks are gone), or every prompt position's
+                # logits are wanted, which a prefix-cache hit would skip.
+                hit = fresh_hit = 0
             else:
                 hit = fresh_hit = self.kv.get_computed_blocks(req.req_id, req.prompt_token_ids)
             if pd is not None:
@@ -288,7 +290,9 @@ class Scheduler:
         if req.known_to_workers:
             cached.append(CachedRequestData(req.req_id, hit, blocks, resumed=True))
         else:
-            new_reqs.append(NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit))
+            new_reqs.append(
+                NewRequestData(req.req_id, list(req.prompt_token_ids), req.sampling, blocks, hit, req.scored_tail)
+            )
             req.known_to_workers = True
         self._commit(req, n, step, tokens, starts)
         return n
@@ -367,6 +371,10 @@ class Scheduler:
         counts: list[int] = []
         others: list[RequestOutput] = []
         requests, check, finished = self.requests, self.stop.check, RequestStatus.FINISHED
+        for req_id, run in result.prompt_logprobs.items():
+            req = requests.get(req_id)
+            if req is not None and req.status is not finished:
+                req.add_prompt_logprobs(run)
         for req_id, token in result.sampled.items():
             req = requests.get(req_id)
             if req is None or req.status is finished:
@@ -388,9 +396,11 @@ class Scheduler:
                     continue
                 outputs.append(token)
                 num_outputs = len(outputs)
-                logprobs = req.sampling.logprobs
-                if logprobs and req_id in result.logprobs:
+                logprobs = req.wants_logprobs
+                if req.sampling.logprobs and req_id in result.logprobs:
                     req.output_logprobs.append(result.logprobs[req_id])
+                    if req.sampling.top_logprobs:
+                        req.output_top_logprobs.append(result.top_logprobs.get(req_id, []))
                 reason = check(req)
             if reason is not None:
                 self._finish(req, reason)
@@ -450,9 +460,15 @@ class Scheduler:
         new = req.output_token_ids[emitted:]
         logprobs = req.output_logprobs[emitted:] if req.sampling.logprobs else None
         req.num_emitted = num_outputs
-        return request_output(
+        out = request_output(
             req.req_id, new, logprobs, req.finish_reason, req.num_prompt_tokens, num_outputs, req.error
         )
+        if req.wants_logprobs:
+            top = req.output_top_logprobs[emitted:] if req.sampling.top_logprobs else None
+            prompt = req.take_prompt_logprobs()
+            if top is not None or prompt is not None:
+                out = dataclasses.replace(out, top_logprobs=top, prompt_logprobs=prompt)
+        return out
 
     def _finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -18,8 +18,11 @@ class StopChecker:
         """The finish reason after the request's newest output token, or None to go on."""
         params = req.sampling
         outputs = req.output_token_ids
-        if outputs[-1] == req.eos_token_id and not params.ignore_eos:
+        last = outputs[-1]
+        if last == req.eos_token_id and not params.ignore_eos:
             return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"  # the token stays in the output ids; the API shows no text for it, as vLLM
         if params.stop and self._hit_stop_string(req):
             return "stop"
         num_outputs = len(outputs)  # `num_tokens` spelled out: this runs for every sampled token
@@ -32,7 +35,7 @@ class StopChecker:
         which it answers "length", the token id it answers "stop" for, -1 for none); None when
         every token needs the full check."""
         params = req.sampling
-        if params.stop:
+        if params.stop or params.stop_token_ids:
             return None
         until = min(params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         stop_id = -1 if params.ignore_eos or req.eos_token_id is None else req.eos_token_id

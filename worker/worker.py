@@ -17,16 +17,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from engine.messages import (
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
     SchedulerOutput,
+    TopLogprobs,
 )
 from kernels.cpu import ops as cpu_kernels
 from kv.cache_buffers import allocate_caches
@@ -36,16 +38,17 @@ from kv.nixl.tp_slices import PageSlicer, read_pieces
 from kv.nixl.transfer_stats import TransferStats
 from kv.nixl.verify import HandOverChecksums, algorithm
 from kv.nixl.worker import NixlWorkerConnector
-from models.batch import SeqChunk, build_forward_batch
+from models.batch import ForwardBatch, SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.dtypes import DTYPE_BYTES, dtype_name
 from models.layers import panel_fallbacks
 from models.loader import load_model
-from models.model_files import load_config
+from models.model_files import load_config, load_generation_config
 from models.tensor_parallel import init_tp_group
 from worker.compute_stream import ComputeStream
 from worker.config import WorkerConfig
-from worker.sampler import Sampler
+from worker.sampler import Sampler, TokenHistory, logprobs_of
+from worker.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,19 @@ def parse_dtype(name: str) -> str | None:
     return name
 
 
+# A sampled row: (row, token, its logprob, its alternatives), the last two when asked for.
+_Sampled = tuple[int, int, float | None, TopLogprobs | None]
+
+
+@dataclass(slots=True)
+class _StepLogprobs:
+    """The logprobs a step computed, by request, for its `ModelRunnerOutput`."""
+
+    sampled: dict[str, float] = field(default_factory=dict)
+    top: dict[str, TopLogprobs] = field(default_factory=dict)
+    prompt: dict[str, Logprobs] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class RequestState:
     tokens: list[int]  # prompt + every token this worker sampled
@@ -74,6 +90,8 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator | None
     num_computed: int  # tokens whose KV / state is in the cache
+    num_prompt: int  # tokens before its outputs (a resumed request's earlier outputs are outputs)
+    scored_tail: tuple[int, ...] = ()  # see NewRequestData.scored_tail
 
 
 def rank_agent_name(agent_name: str, rank: int) -> str:
@@ -104,6 +122,8 @@ class Worker:
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
         self.sampler = Sampler(cfg.seed, self.device, self.config.vocab_size)
+        self.eos_token_id = load_generation_config(cfg.model_dir, self.full_config)[1]  # what min_tokens masks
+        self.token_counts = TokenCounts(self.config.vocab_size, self.device)
         # Touched only by jobs on the stream; read it between steps, never during one.
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None
@@ -206,13 +226,13 @@ class Worker:
         zeroed = self._zero(out.new_block_ids_to_zero or [])
         scheduled = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
         sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
+        logprobs = _StepLogprobs()
         if scheduled:
             try:
                 if self._faults_to_inject > 0:
                     self._faults_to_inject -= 1
                     raise RuntimeError("injected worker fault")
-                sampled, logprobs = self._forward(scheduled, failed)
+                sampled = self._forward(scheduled, failed, logprobs)
             except Exception as e:  # the step's requests fail; the engine and its other requests go on
                 log.exception("worker step %d failed", out.step_id)
                 for req_id in scheduled:
@@ -221,7 +241,16 @@ class Worker:
         # nothing writes its blocks afterwards, so their checksums hold until it is read.
         sums = self._hand_over_sums
         checksums = {} if sums is None else {r: [sums.table(self.requests[r].block_ids)] for r in sampled}
-        return ModelRunnerOutput(out.step_id, sampled, logprobs, zeroed, failed_reqs=failed, kv_checksums=checksums)
+        return ModelRunnerOutput(
+            out.step_id,
+            sampled,
+            logprobs.sampled,
+            zeroed,
+            failed_reqs=failed,
+            kv_checksums=checksums,
+            top_logprobs=logprobs.top,
+            prompt_logprobs=logprobs.prompt,
+        )
 
     def _checksummer(self, cfg: WorkerConfig, cache_dtype: str) -> HandOverChecksums:
         """--kv-verify on a prefill rank: per decode rank (of `kv_verify_tp`), the spans of
@@ -241,13 +270,21 @@ class Worker:
         ]
         return HandOverChecksums(self.buffers, spans)
 
-    def _forward(self, scheduled: dict[str, int], failed: dict[str, str]) -> tuple[dict[str, int], dict[str, float]]:
+    def _forward(self, scheduled: dict[str, int], failed: dict[str, str], logprobs: _StepLogprobs) -> dict[str, int]:
         """Run the scheduled chunks, then sample for each request whose chunk reached its last
-        known token; an intermediate prefill chunk has no next token to sample."""
+        known token; an intermediate prefill chunk has no next token to sample. A chunk of a
+        request that asks for prompt logprobs gets logits for every one of its positions."""
         ids = list(scheduled)
         chunks = [self._chunk(req_id, scheduled[req_id]) for req_id in ids]
         batch = build_forward_batch(chunks, self._layout.groups, self._layout.block_size, self.device)
+        scored = [self._num_scored(req_id, chunk) for req_id, chunk in zip(ids, chunks)]
+        last: list[int] | None = None
+        if any(scored):
+            batch, last = self._all_logits(batch, scored)
         logits = self.model(batch, self.caches)
+        if last is not None:
+            self._prompt_logprobs(logits, ids, chunks, scored, last, logprobs)
+            logits = logits[last]
         rows: list[int] = []
         for r, (req_id, chunk) in enumerate(zip(ids, chunks)):
             state = self.requests[req_id]
@@ -255,19 +292,63 @@ class Worker:
             if state.num_computed == len(state.tokens):
                 rows.append(r)
         sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
-        for r, token, logprob in self._sample(logits, [ids[r] for r in rows], rows, failed):
+        for r, token, logprob, top in self._sample(logits, [ids[r] for r in rows], rows, failed):
             self.requests[ids[r]].tokens.append(token)
             sampled[ids[r]] = token
             if logprob is not None:
-                logprobs[ids[r]] = logprob
-        return sampled, logprobs
+                logprobs.sampled[ids[r]] = logprob
+            if top is not None:
+                logprobs.top[ids[r]] = top
+        self.token_counts.record(list(sampled), list(sampled.values()))
+        return sampled
+
+    def _num_scored(self, req_id: str, chunk: SeqChunk) -> int:
+        """The prompt tokens this chunk's positions score for prompt logprobs: position p
+        scores token p + 1 of the prompt (and of the scored tail)."""
+        state = self.requests[req_id]
+        if state.sampling.prompt_logprobs is None:
+            return 0
+        end = min(chunk.num_computed + len(chunk.token_ids), state.num_prompt + len(state.scored_tail) - 1)
+        return max(0, end - chunk.num_computed)
+
+    def _all_logits(self, batch: ForwardBatch, scored: list[int]) -> tuple[ForwardBatch, list[int]]:
+        """The batch with logits for every position of the chunks that score prompt tokens,
+        and where each request's last row (the one it samples from) lands among them."""
+        index: list[int] = []
+        last: list[int] = []
+        starts = batch.query_start
+        for r, n in enumerate(scored):
+            index.extend(range(starts[r], starts[r + 1]) if n else (starts[r + 1] - 1,))
+            last.append(len(index) - 1)
+        indices = torch.tensor(index, dtype=torch.long, device=self.device)
+        return dataclasses.replace(batch, logits_indices=indices), last
+
+    def _prompt_logprobs(
+        self,
+        logits: torch.Tensor,
+        ids: list[str],
+        chunks: list[SeqChunk],
+        scored: list[int],
+        last: list[int],
+        logprobs: _StepLogprobs,
+    ) -> None:
+        for r, n in enumerate(scored):
+            if not n:
+                continue
+            state = self.requests[ids[r]]
+            start = chunks[r].num_computed
+            first = last[r] + 1 - len(chunks[r].token_ids)
+            known = state.tokens[: state.num_prompt] + list(state.scored_tail)
+            targets = torch.tensor(known[start + 1 : start + 1 + n], dtype=torch.long, device=self.device)
+            top_n = state.sampling.prompt_logprobs or 0
+            values, top = logprobs_of(logits[first : first + n], targets, top_n)
+            logprobs.prompt[ids[r]] = Logprobs(start + 1, values, top)
 
     def _sample(
         self, logits: torch.Tensor, req_ids: list[str], rows: list[int], failed: dict[str, str]
-    ) -> list[tuple[int, int, float | None]]:
-        """(row, token, logprob) per sampled row. If the batch cannot be sampled, each row is
-        sampled alone so that one bad request fails without the others."""
+    ) -> list[_Sampled]:
+        """(row, token, logprob, alternatives) per sampled row. If the batch cannot be sampled,
+        each row is sampled alone so that one bad request fails without the others."""
         if not rows:
             return []
         try:
@@ -282,29 +363,45 @@ class Worker:
                 self._drop(failed, req_id, f"sampling failed: {e!r}")
         return results
 
-    def _sample_rows(
-        self, logits: torch.Tensor, req_ids: list[str], rows: list[int]
-    ) -> list[tuple[int, int, float | None]]:
+    def _sample_rows(self, logits: torch.Tensor, req_ids: list[str], rows: list[int]) -> list[_Sampled]:
         states = [self.requests[r] for r in req_ids]
-        want = [s.sampling.logprobs for s in states]
+        params = [s.sampling for s in states]
+        want = [p.logprobs for p in params]
+        history = None
+        if any(p.adjusts_logits for p in params):
+            counts = prompt_mask = None
+            if any(p.penalized for p in params):
+                counts, prompt_mask = self.token_counts.gather(req_ids)
+            outputs = [len(s.tokens) - s.num_prompt for s in states]
+            history = TokenHistory(counts, prompt_mask, outputs, self.eos_token_id)
         result = self.sampler.sample(
-            logits[rows], [s.sampling for s in states], [s.generator for s in states], want_logprobs=any(want)
+            logits[rows], params, [s.generator for s in states], want_logprobs=any(want), history=history
         )
+        top = result.top_logprobs
         return [
-            (r, result.token_ids[i], result.logprobs[i] if want[i] and result.logprobs is not None else None)
+            (
+                r,
+                result.token_ids[i],
+                result.logprobs[i] if want[i] and result.logprobs is not None else None,
+                top[i][: params[i].top_logprobs] if want[i] and top is not None and params[i].top_logprobs else None,
+            )
             for i, r in enumerate(rows)
         ]
 
     def _drop(self, failed: dict[str, str], req_id: str, why: str) -> None:
         failed[req_id] = why
+        self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        self.token_counts.remove(req_id)
 
     def _apply(self, out: SchedulerOutput) -> dict[str, str]:
         """Check the request updates against what the worker knows, then apply the good ones.
         Returns the requests that cannot run, with why; they are forgotten here."""
         failed = self._check(out)
         for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)  # a request may finish before it ever reached a worker
+            self._forget(req_id)  # a request may finish before it ever reached a worker
         for req_id, why in failed.items():
             self._drop(failed, req_id, why)
         for new in out.new_reqs:
@@ -369,12 +466,19 @@ class Worker:
         return failed
 
     def _new_state(self, new: NewRequestData) -> RequestState:
+        params = new.sampling
+        num_prompt = len(new.prompt_token_ids) - params.num_prior_outputs
+        if params.penalized:
+            prompt = new.prompt_token_ids
+            self.token_counts.add(new.req_id, prompt, prompt[num_prompt:] if params.num_prior_outputs else ())
         return RequestState(
             list(new.prompt_token_ids),
             [list(ids) for ids in new.block_ids],
-            new.sampling,
-            self.sampler.generator_for(new.sampling),
+            params,
+            self.sampler.generator_for(params),
             new.num_computed_tokens,
+            num_prompt,
+            new.scored_tail,
         )
 
     def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:

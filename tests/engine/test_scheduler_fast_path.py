@@ -102,6 +102,6 @@ def test_request_output_is_the_constructors_object():
     args = ("r1", [5, 6], [-0.5, -1.0], "stop", 12, 2, None)
     built = request_output(*args)
     assert built == RequestOutput(*args)
-    assert [getattr(built, f.name) for f in dataclasses.fields(RequestOutput)] == [*args, None]
+    assert [getattr(built, f.name) for f in dataclasses.fields(RequestOutput)] == [*args, None, None, None]
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.finish_reason = None  # type: ignore[misc]
