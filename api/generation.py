@@ -19,7 +19,7 @@ from api.errors import APIError
 from api.metrics import Metrics, RequestTimer
 from api.router import Router
 from api.text import Detokenizer, StopBuffer, TextModel
-from engine.messages import Logprobs, RequestOutput, SamplingParams, TopLogprobs
+from engine.messages import INVALID_GRAMMAR, InvalidRequestError, Logprobs, RequestOutput, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +78,13 @@ class ChoiceStream:
         self._prompt_shown = False
 
     async def first(self) -> None:
-        """Wait for the engine to accept the request and produce its first output."""
-        self._last = await anext(self._outputs)
+        """Wait for the engine to accept the request and produce its first output. A grammar
+        the worker could not compile fails the request at its first step: the client's error,
+        raised here so that it is a 400 before any response starts."""
+        self._last = out = await anext(self._outputs)
+        structured = self._choice.sampling.structured
+        if structured is not None and out.finish_reason == "error" and (out.error or "").startswith(INVALID_GRAMMAR):
+            raise InvalidRequestError((out.error or "")[len(INVALID_GRAMMAR) :], param=structured.param)
 
     async def close(self) -> None:
         """Abort the engine request of a choice whose deltas were never read."""

@@ -13,9 +13,10 @@ sent (`SamplingParams.random_offset`). Stop strings are found by the API over th
 (`StopBuffer`), so one that spans the break still ends the choice; EOS and `max_tokens` are per
 token and continue as they were, and so does `min_tokens`. Penalties keep their history: the
 tokens already sent are the new prompt's tail, and `num_prior_outputs` tells the worker to count
-them as outputs. The prompt's logprobs went out with the first output and are not asked for
-again. What does not carry over: an unseeded sampled request draws from a fresh stream, so its
-continuation is a valid sample but not the one the lost engine would have drawn.
+them as outputs; a structured output's grammar is advanced by them (docs/design.md §17). The
+prompt's logprobs went out with the first output and are not asked for again. What does not
+carry over: an unseeded sampled request draws from a fresh stream, so its continuation is a
+valid sample but not the one the lost engine would have drawn.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from api.structured import StructuredFields
 from engine.messages import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -79,7 +80,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(StructuredFields, _Request):
     """Fields shared by completions and chat completions. None means "the default", because
     some clients send explicit nulls."""
 
@@ -156,6 +157,7 @@ class _SamplingRequest(_Request):
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
+            structured=self.structured_output(),
         )
         params.validate()
         return params

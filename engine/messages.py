@@ -39,6 +39,33 @@ class EngineFailedError(RuntimeError):
 # it that the request itself was fine and can be resumed on another engine.
 ENGINE_FAILURE = "engine failure: "
 
+# The error text of a request whose grammar its worker cannot compile: the ingress answers it
+# with a 400 naming the field that asked for the grammar (`StructuredOutput.param`).
+INVALID_GRAMMAR = "invalid grammar: "
+
+# What a `StructuredOutput` constrains the output to (its `spec`): any JSON object (none), the
+# JSON schema (as JSON text), the regex, the grammar (xgrammar's EBNF).
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar every output token must keep to. Plain text, so that the engine and the API,
+    which load neither torch nor xgrammar (docs/design.md §14), carry it; the worker compiles it
+    (worker/grammar.py) and masks each step's logits by it (worker/grammar_mask.py)."""
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"  # the request field that asked for it, which a 400 names
+
+    def problem(self) -> str | None:
+        """Why this cannot be a grammar at all (what it says is xgrammar's to judge), or None."""
+        if self.kind not in STRUCTURED_KINDS:
+            return f"kind {self.kind!r} is not one of {STRUCTURED_KINDS}"
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            return f"a {self.kind} needs its text"
+        return None
+
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -89,6 +116,8 @@ class SamplingParams:
     # The prompt's last this many tokens are this request's own earlier outputs (a request
     # resumed on another engine): penalties count them as generated.
     num_prior_outputs: int = 0
+    # A grammar the output keeps to; it also ends the output, with EOS once it is complete.
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -181,6 +210,19 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name}={getattr(self, name)!r} {why}", param=name)
+        if self.structured is not None:
+            self._validate_structured(self.structured)
+
+    def _validate_structured(self, structured: object) -> None:
+        if not isinstance(structured, StructuredOutput) or not isinstance(structured.param, str):
+            raise InvalidRequestError(f"structured={structured!r} is not a StructuredOutput", param="structured")
+        why = structured.problem()
+        if why is not None:
+            raise InvalidRequestError(f"{structured.param}: {why}", param=structured.param)
+        # The grammar ends the output by allowing only EOS once it is complete: neither may hold it back.
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} cannot be combined with {structured.param}", param=name)
 
 
 # A token's alternatives: the most likely tokens at its position, (token id, logprob), best first.

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,11 @@ from models.tensor_parallel import init_tp_group
 from worker.compute_stream import ComputeStream
 from worker.config import WorkerConfig
 from worker.sampler import Sampler, TokenHistory, logprobs_of
+from worker.structured import StructuredOutputs, failure
 from worker.token_counts import TokenCounts
+
+if TYPE_CHECKING:
+    from worker.grammar_mask import RequestGrammar  # imports xgrammar: only once a request has a grammar
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ class RequestState:
     num_computed: int  # tokens whose KV / state is in the cache
     num_prompt: int  # tokens before its outputs (a resumed request's earlier outputs are outputs)
     scored_tail: tuple[int, ...] = ()  # see NewRequestData.scored_tail
+    grammar: RequestGrammar | None = None  # its matcher, with a structured output (worker/grammar_mask.py)
 
 
 def rank_agent_name(agent_name: str, rank: int) -> str:
@@ -124,6 +130,7 @@ class Worker:
         self.sampler = Sampler(cfg.seed, self.device, self.config.vocab_size)
         self.eos_token_id = load_generation_config(cfg.model_dir, self.full_config)[1]  # what min_tokens masks
         self.token_counts = TokenCounts(self.config.vocab_size, self.device)
+        self.structured = StructuredOutputs(cfg.model_dir, self.config.vocab_size, self.eos_token_id)
         # Touched only by jobs on the stream; read it between steps, never during one.
         self.requests: dict[str, RequestState] = {}
         self._last_step: int | None = None
@@ -178,6 +185,7 @@ class Worker:
             raise ValueError(f"step {out.step_id} submitted after step {self._last_step}: steps must be in order")
         self._last_step = out.step_id
         self._start_transfers(out)
+        self.structured.prefetch(out.new_reqs)  # compiles while the step in flight runs
         return self._stream.submit(self._step, out)
 
     def _start_transfers(self, out: SchedulerOutput) -> None:
@@ -215,6 +223,7 @@ class Worker:
 
     def close(self) -> None:
         self._stream.close()
+        self.structured.close()
         if self.connector is not None:
             self.connector.close()
         if self.tp.size > 1 and dist.is_initialized():
@@ -293,7 +302,11 @@ class Worker:
                 rows.append(r)
         sampled: dict[str, int] = {}
         for r, token, logprob, top in self._sample(logits, [ids[r] for r in rows], rows, failed):
-            self.requests[ids[r]].tokens.append(token)
+            state = self.requests[ids[r]]
+            if state.grammar is not None and not state.grammar.accept(token):
+                self._drop(failed, ids[r], f"sampled token {token}, which its grammar does not allow")
+                continue
+            state.tokens.append(token)
             sampled[ids[r]] = token
             if logprob is not None:
                 logprobs.sampled[ids[r]] = logprob
@@ -374,8 +387,10 @@ class Worker:
                 counts, prompt_mask = self.token_counts.gather(req_ids)
             outputs = [len(s.tokens) - s.num_prompt for s in states]
             history = TokenHistory(counts, prompt_mask, outputs, self.eos_token_id)
+        logits = logits[rows]  # a copy: the rows are masked in place
+        self.structured.mask(logits, [s.grammar for s in states])
         result = self.sampler.sample(
-            logits[rows], params, [s.generator for s in states], want_logprobs=any(want), history=history
+            logits, params, [s.generator for s in states], want_logprobs=any(want), history=history
         )
         top = result.top_logprobs
         return [
@@ -406,7 +421,10 @@ class Worker:
             self._drop(failed, req_id, why)
         for new in out.new_reqs:
             if new.req_id not in failed:
-                self.requests[new.req_id] = self._new_state(new)
+                try:
+                    self.requests[new.req_id] = self._new_state(new)
+                except Exception as e:  # its grammar: a schema that does not compile fails it alone
+                    self._drop(failed, new.req_id, failure(e))
         for cached in out.cached_reqs:
             if cached.req_id in failed:
                 continue
@@ -479,6 +497,7 @@ class Worker:
             new.num_computed_tokens,
             num_prompt,
             new.scored_tail,
+            self.structured.matcher(new, num_prompt),
         )
 
     def _check_blocks(self, step: str, req_id: str, block_ids: list[list[int]]) -> str | None:

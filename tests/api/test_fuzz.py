@@ -46,6 +46,16 @@ NOT_BOOL = [0, 1, 1.5, NAN, "true", "false", "", [], [True], {}, {"a": True}]
 NOT_STRING = [0, 1.5, NAN, INF, True, [], ["a"], {}, {"a": "b"}]
 BEYOND_INT64 = [2**63, 2**64, 2**64 + 1, -(2**63) - 1, -(2**64), 10**30]
 TOO_MANY_TOKENS = [CONTEXT, 2**31, *BEYOND_INT64]
+# JSON schemas xgrammar cannot compile (worker/grammar.py).
+BAD_SCHEMAS: list[Any] = [
+    {"type": "foo"},
+    {"type": "object", "properties": 5},
+    {"type": "integer", "minimum": 5, "maximum": 1},
+    {"enum": []},
+    {"$ref": "#/nowhere"},
+    [],
+]
+
 
 
 def _message(**fields: Any) -> list[dict[str, Any]]:
@@ -83,6 +93,29 @@ COMMON: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True}, {}, "yes", 1, [], [{"include_usage": True}]],  # stream is false
     "ignore_eos": NOT_BOOL,
     "user": [*NOT_STRING, "x" * 300, SURROGATE],
+    # Structured outputs: wrong shapes are refused by the API, grammars that do not compile by
+    # the worker, before the response starts (a 400 either way).
+    "response_format": [
+        *NOT_STRING,
+        "json_object",
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}},
+        *({"type": "json_schema", "json_schema": {"name": "x", "schema": s}} for s in BAD_SCHEMAS),
+    ],
+    "guided_json": [0, True, [], "", "{", SURROGATE, *BAD_SCHEMAS, *map(json.dumps, BAD_SCHEMAS)],
+    "guided_regex": [*NOT_STRING, "", "((", "[a-", "a{2,1}", SURROGATE],
+    "guided_choice": [*NOT_STRING, "a", [""], [1], ["a", None], ["a"] * 257, [SURROGATE]],
+    "guided_grammar": [*NOT_STRING, "", "x", "root ::= ", 'root ::= "a" |', SURROGATE],
+    "structured_outputs": [
+        *NOT_STRING,
+        {"regex": "a", "choice": ["b"]},
+        {"yaml": "a"},
+        {"json_object": False},
+        {"regex": "(("},
+        {"json": {"type": "foo"}},
+    ],
 }
 COMPLETION: dict[str, list[Any]] = {
     **COMMON,
@@ -307,6 +340,12 @@ EDGES = [
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"max_completion_tokens": 3, "logprobs": True, "top_logprobs": 20}),
     ("/v1/chat/completions", {"stream": True, "stream_options": None, "ignore_eos": False, "user": "u"}),
+    ("/v1/completions", {"guided_choice": [str(i) for i in range(255)] + ["\U0001f600"], "temperature": 1.0}),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a" * 64, "schema": {}, "strict": False}}},
+    ),
+    ("/v1/completions", {"response_format": {"type": "text"}, "stream": True}),
 ]
 
 

@@ -11,6 +11,7 @@ import pytest
 from actors.client import EngineLostError
 from api import Engine, RoundRobinRouter
 from api.migration import MigrationPolicy, Progress
+from engine.config import Config
 from engine.local import build_local_engine
 from engine.messages import RequestOutput, SamplingParams
 from tests.api.test_app_local import config
@@ -40,24 +41,19 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=21, ignore_eos=True),
-    ],
-    ids=["greedy", "seeded"],
-)
-def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_exact(checkpoint, sampling):
-    cfg = config(checkpoint)
+def cut_after_three(
+    cfg: Config, prompt: list[int], sampling: SamplingParams
+) -> tuple[list[RequestOutput], list[RequestOutput], int]:
+    """Two colocated engines: the request run undisturbed on e0, then again on e1, whose
+    worker is closed after three outputs; the outputs of both and the router's resumptions."""
 
     async def main() -> tuple[list[RequestOutput], list[RequestOutput], int]:
         (core0, worker0), (core1, worker1) = build_local_engine(cfg), build_local_engine(cfg)
         router = RoundRobinRouter([Engine.local("e0", core0), Engine.local("e1", core1)])
         try:
-            whole = [o async for o in router.generate(PROMPT, sampling, "undisturbed")]  # on e0
+            whole = [o async for o in router.generate(prompt, sampling, "undisturbed")]  # on e0
             cut: list[RequestOutput] = []
-            async for out in router.generate(PROMPT, sampling, "cut"):  # on e1
+            async for out in router.generate(prompt, sampling, "cut"):  # on e1
                 cut.append(out)
                 if len(cut) == 3:
                     worker1.close()  # e1's next step fails: its loop ends every request
@@ -68,7 +64,19 @@ def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_ex
             await core1.close()
             worker0.close()
 
-    whole, cut, resumed = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=21, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_exact(checkpoint, sampling):
+    whole, cut, resumed = cut_after_three(config(checkpoint), PROMPT, sampling)
     assert resumed >= 1
     assert _tokens(cut) == _tokens(whole) and len(_tokens(cut)) == 48
     assert cut[-1].finish_reason == "length" and cut[-1].num_output_tokens == 48
