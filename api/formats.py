@@ -109,9 +109,9 @@ class CompletionFormat(Format):
         self.prompt_logprobs = prompt_logprobs
         self._offsets: dict[int, int] = defaultdict(int)  # text offset of each choice's next token
 
-    def _top(self, own: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
+    def _top(self, own: int, logprob: float, top: TopLogprobs) -> dict[str, float]:
         text = self.model.token_text
-        alternatives = {text(t): lp for t, lp in (top or [])[: self.top_n]}
+        alternatives = {text(t): lp for t, lp in top[: self.top_n]}
         alternatives.setdefault(text(own), logprob)
         return alternatives
 
@@ -127,17 +127,17 @@ class CompletionFormat(Format):
             scored = prompt.logprobs
             logprobs.append(None)
             tops.append(None)
-            for i, token in enumerate(prompt.token_ids[1:]):
+            for i, prompt_token in enumerate(prompt.token_ids[1:]):
                 if scored is None or i >= len(scored.logprobs):
                     logprobs.append(None)
                     tops.append(None)
                     continue
                 logprobs.append(scored.logprobs[i])
-                tops.append(self._top(token, scored.logprobs[i], scored.top[i]))
+                tops.append(self._top(prompt_token, scored.logprobs[i], scored.top[i]))
         if delta.logprobs is not None:
             ids += delta.token_ids
             logprobs += delta.logprobs
-            top = delta.top_logprobs or [None] * len(delta.logprobs)
+            top: list[TopLogprobs] = delta.top_logprobs or [[] for _ in delta.logprobs]
             tops += [self._top(t, lp, a) for t, lp, a in zip(delta.token_ids, delta.logprobs, top)]
         if not ids:
             return None

@@ -99,15 +99,17 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def add_prompt_logprobs(self, run: Logprobs) -> None:
+    def add_prompt_logprobs(self, run: Logprobs) -> bool:
         """Take a chunk's prompt logprobs; a chunk computed again (after a preemption) adds
-        only what was not scored yet."""
+        only what was not scored yet. False if the run leaves a gap (a bug: the caller fails
+        the request rather than send logprobs with a hole)."""
         have = 1 + len(self.prompt_logprobs)
         skip = have - run.start
         if skip < 0:
-            raise RuntimeError(f"request {self.req_id}: prompt logprobs from token {run.start}, expected {have}")
+            return False
         self.prompt_logprobs += run.logprobs[skip:]
         self.prompt_top_logprobs += run.top[skip:]
+        return True
 
     def take_prompt_logprobs(self) -> Logprobs | None:
         """The whole prompt's logprobs once every token is scored, the first time only."""

@@ -373,8 +373,9 @@ class Scheduler:
         requests, check, finished = self.requests, self.stop.check, RequestStatus.FINISHED
         for req_id, run in result.prompt_logprobs.items():
             req = requests.get(req_id)
-            if req is not None and req.status is not finished:
-                req.add_prompt_logprobs(run)
+            if req is not None and req.status is not finished and not req.add_prompt_logprobs(run):
+                have = 1 + len(req.prompt_logprobs)
+                others += self._fail(req_id, f"prompt logprobs from token {run.start}; token {have} was expected")
         for req_id, token in result.sampled.items():
             req = requests.get(req_id)
             if req is None or req.status is finished:

@@ -57,7 +57,6 @@ BAD_SCHEMAS: list[Any] = [
 ]
 
 
-
 def _message(**fields: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": "ab=381;?ab=", **fields}]
 
@@ -93,6 +92,29 @@ COMMON: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True}, {}, "yes", 1, [], [{"include_usage": True}]],  # stream is false
     "ignore_eos": NOT_BOOL,
     "user": [*NOT_STRING, "x" * 300, SURROGATE],
+    "presence_penalty": [*NOT_NUMBER, NAN, INF, -INF, -2.01, 2.01, *BEYOND_INT64],
+    "frequency_penalty": [*NOT_NUMBER, NAN, INF, -INF, -2.01, 2.01, *BEYOND_INT64],
+    "repetition_penalty": [*NOT_NUMBER, NAN, INF, -INF, 0, 0.0, -1.0, -(2**64)],
+    "min_p": [*NOT_NUMBER, NAN, INF, -INF, -0.01, 1.01, *BEYOND_INT64],
+    "min_tokens": [*NOT_INT, -1, 3, *BEYOND_INT64],  # 3 is beyond the base body's max_tokens
+    "stop_token_ids": [*NOT_INT[:-5], 1, [-1], [VOCAB], [2**64], [1.5], [True], ["1"], [None], [1] * 257],
+    "logit_bias": [
+        *NOT_STRING[:-2],
+        [],
+        {"x": 1},
+        {"-1": 1},
+        {"1.5": 1},
+        {str(VOCAB): 1},
+        {"1" * 11: 1},
+        {"1": 100.5},
+        {"1": -101},
+        {"1": NAN},
+        {"1": INF},
+        {"1": "1"},
+        {"1": True},
+        {"1": None},
+        {str(i): 1 for i in range(1025)},
+    ],
     # Structured outputs: wrong shapes are refused by the API, grammars that do not compile by
     # the worker, before the response starts (a 400 either way).
     "response_format": [
@@ -151,6 +173,8 @@ COMPLETION: dict[str, list[Any]] = {
         [1] * CONTEXT,
     ],
     "logprobs": [*NOT_INT, -1, 6, *BEYOND_INT64],
+    "echo": NOT_BOOL,
+    "prompt_logprobs": [*NOT_INT, -1, 21, *BEYOND_INT64],
 }
 CHAT: dict[str, list[Any]] = {
     **COMMON,
@@ -319,8 +343,13 @@ def test_openapi_states_the_real_bounds(http):
     assert bounds("temperature") == {"minimum": 0, "maximum": 2}
     assert bounds("top_p") == {"exclusiveMinimum": 0, "maximum": 1}
     assert bounds("n") == {"minimum": 1, "maximum": 16}
-    assert bounds("max_tokens") == {"minimum": 1}
+    assert bounds("max_tokens") == {"minimum": 0}  # 0 only with echo
     assert bounds("logprobs") == {"minimum": 0, "maximum": 5}
+    assert bounds("prompt_logprobs") == {"minimum": 0, "maximum": 20}
+    assert bounds("presence_penalty") == bounds("frequency_penalty") == {"minimum": -2, "maximum": 2}
+    assert bounds("repetition_penalty") == {"exclusiveMinimum": 0}
+    assert bounds("min_p") == {"minimum": 0, "maximum": 1}
+    assert bounds("min_tokens") == {"minimum": 0}
     (stop_list,) = [s for s in fields["stop"]["anyOf"] if s.get("type") == "array"]
     assert stop_list["maxItems"] == 4 and stop_list["items"]["minLength"] == 1
     chat = schemas["ChatCompletionRequest"]["properties"]
@@ -346,6 +375,13 @@ EDGES = [
         {"response_format": {"type": "json_schema", "json_schema": {"name": "a" * 64, "schema": {}, "strict": False}}},
     ),
     ("/v1/completions", {"response_format": {"type": "text"}, "stream": True}),
+    ("/v1/completions", {"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1e-30}),
+    ("/v1/completions", {"repetition_penalty": 1e30, "temperature": 1.0, "min_p": 1.0, "top_k": 1}),
+    ("/v1/completions", {"logit_bias": {str(VOCAB - 1): 100, "0": -100}, "stream": True, "logprobs": 0}),
+    ("/v1/completions", {"min_tokens": 4, "stop_token_ids": [VOCAB - 1, 0, 0], "temperature": 1.0}),
+    ("/v1/completions", {"echo": True, "logprobs": 5, "max_tokens": 0, "prompt_logprobs": 20, "n": 2}),
+    ("/v1/completions", {"echo": True, "prompt": [[VOCAB - 1], [0, 1]], "stream": True, "logprobs": 1}),
+    ("/v1/chat/completions", {"presence_penalty": -2, "logit_bias": {}, "stop_token_ids": [], "min_tokens": 0}),
 ]
 
 
