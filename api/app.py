@@ -35,7 +35,7 @@ from api.metrics import Metrics
 from api.protocol import SEED_MIN, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.router import Router
 from api.text import TextModel
-from api.tokenization import DetokenizeRequest, TokenizeRequest, chat_prompt, detokenize, tokenize
+from api.tokenization import DetokenizeRequest, TokenizeRequest, chat_prompt, detokenize, tokenize, tokenizer_info
 from api.tool_calls import ToolUse
 from engine.config import Config
 from engine.messages import InvalidRequestError, SamplingParams
@@ -327,6 +327,10 @@ def create_app(
     async def detokenize_route(body: DetokenizeRequest) -> Response:
         server.check_model(body.model)
         return _json(detokenize(server.model, body))
+
+    @tokens.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return _json(tokenizer_info(server.model))
 
     app.include_router(tokens)
 

@@ -1,6 +1,7 @@
 """Prompts as the model sees them: the chat rendering that `/v1/chat/completions` and
-`/tokenize` share, and vLLM's `/tokenize` and `/detokenize` (their request and response
-shapes are vLLM's, so tools written for vLLM work unchanged).
+`/tokenize` share, and vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info` (their request
+and response shapes are vLLM's, so tools written for vLLM work unchanged: lm-eval's `remote`
+tokenizer backend tokenizes through them).
 
 `/tokenize` answers exactly the ids a generation request with the same prompt or messages
 would run on, so a client can count tokens or check a template without generating.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from api.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, ChatMessage, Name, Text, Tool, _Request
 from api.text import TextModel
@@ -102,3 +103,18 @@ def detokenize(model: TextModel, body: DetokenizeRequest) -> DetokenizeResponse:
     """The text of `tokens`, special tokens included, so a tokenize round trip gives the prompt back."""
     model.check_ids(body.tokens, param="tokens")
     return DetokenizeResponse(prompt=model.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's `/tokenizer_info`: what a client needs to build prompts as the server does."""
+
+    model_config = ConfigDict(extra="allow")  # the special tokens, by their names in tokenizer_config.json
+
+    chat_template: str | None
+    model_max_length: int
+
+
+def tokenizer_info(model: TextModel) -> TokenizerInfo:
+    return TokenizerInfo(
+        chat_template=model.chat_template, model_max_length=model.max_model_len, **model.special_tokens
+    )

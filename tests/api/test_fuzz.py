@@ -30,7 +30,7 @@ MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
 NAME = "tiny-hybrid"
 CONTEXT = 512
 VOCAB = 258  # the shipped byte-level tokenizer: 256 bytes, EOS, pad
-NUM_FUZZED = 200
+NUM_FUZZED = 400
 SEED = 8
 TIMEOUT_S = 30.0  # per request: a hang fails the test instead of stalling it
 README_EXAMPLE = {"model": NAME, "prompt": "ab=381;qe=027;zt=950;?qe=", "max_tokens": 4, "temperature": 0}
@@ -92,6 +92,13 @@ COMMON: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True}, {}, "yes", 1, [], [{"include_usage": True}]],  # stream is false
     "ignore_eos": NOT_BOOL,
     "user": [*NOT_STRING, "x" * 300, SURROGATE],
+    "safety_identifier": [*NOT_STRING, "x" * 300],
+    "prompt_cache_key": [*NOT_STRING, "x" * 300],
+    "metadata": ["x", 1, [], {"a": 1}, {"x" * 300: "v"}, {f"k{i}": "v" for i in range(17)}],
+    "store": NOT_BOOL,
+    "service_tier": ["", "fast", 1, True],
+    "frobnicate": [1, None, "x"],  # in neither OpenAI's nor vLLM's schema: refused by name
+    "best_of": [1, 2],  # OpenAI's, not implemented: refused by name
     "presence_penalty": [*NOT_NUMBER, NAN, INF, -INF, -2.01, 2.01, *BEYOND_INT64],
     "frequency_penalty": [*NOT_NUMBER, NAN, INF, -INF, -2.01, 2.01, *BEYOND_INT64],
     "repetition_penalty": [*NOT_NUMBER, NAN, INF, -INF, 0, 0.0, -1.0, -(2**64)],
@@ -206,10 +213,53 @@ CHAT: dict[str, list[Any]] = {
     "max_completion_tokens": [*NOT_INT, 0, -1, *TOO_MANY_TOKENS],
     "logprobs": NOT_BOOL,
     "top_logprobs": [*NOT_INT, -1, 21, *BEYOND_INT64],
+    "tools": [
+        5,
+        "x",
+        {},
+        [{}],
+        [{"type": "code"}],
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": ""}}],
+        [{"type": "function", "function": {"name": "a b"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+        [{"type": "function", "function": {"name": "f", "strict": True}}],
+        [{"type": "function", "function": {"name": "f"}}],  # the shipped model's template shows no tools
+    ],
+    "tool_choice": [
+        "auto",
+        "required",
+        "any",
+        5,
+        {},
+        {"type": "function"},
+        {"type": "function", "function": {"name": "f"}},
+    ],
+    "parallel_tool_calls": NOT_BOOL,
+    "add_generation_prompt": NOT_BOOL,
+    "continue_final_message": [*NOT_BOOL, True],  # true needs add_generation_prompt false
+}
+TOKENIZE: dict[str, list[Any]] = {
+    "model": COMMON["model"],
+    "prompt": [5, 1.5, NAN, True, {}, [], ["a"], [1], SURROGATE, HUGE],
+    "messages": [m for m in CHAT["messages"] if m is not None],  # with a prompt, or not messages at all
+    "add_special_tokens": NOT_BOOL,
+    "add_generation_prompt": [*NOT_BOOL, True],  # with a prompt: chat only
+    "continue_final_message": [*NOT_BOOL, False],
+    "tools": [5, [{}], [{"type": "function", "function": {"name": "f"}}]],
+    "return_token_strs": NOT_BOOL,
+    "truncate_prompt_tokens": [1, 0],  # vLLM's, not implemented: refused by name
+}
+DETOKENIZE: dict[str, list[Any]] = {
+    "model": COMMON["model"],
+    "tokens": [None, 5, "a", {}, [-1], [VOCAB], [2**64], [True], [1.5], ["a"], [[1]], [NAN], [SURROGATE]],
+    "skip_special_tokens": [True, False],  # not implemented: refused by name
 }
 ROUTES: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {
     "/v1/completions": ({"model": NAME, "prompt": "ab=381;?ab=", "max_tokens": 2, "temperature": 0}, COMPLETION),
     "/v1/chat/completions": ({"model": NAME, "messages": _message(), "max_tokens": 2, "temperature": 0}, CHAT),
+    "/tokenize": ({"model": NAME, "prompt": "ab=381;?ab="}, TOKENIZE),
+    "/detokenize": ({"model": NAME, "tokens": [97, 98]}, DETOKENIZE),
 }
 MISSING, NOT_AN_OBJECT = "<missing required field>", "<body not an object>"
 NON_OBJECTS = [[], ["x"], "x", 5, NAN, None, True]
@@ -228,7 +278,7 @@ def fuzzed(rng: random.Random, i: int) -> tuple[str, set[str], Any]:
     broken = {target, *rng.sample(list(spec), rng.randint(0, 2))}
     for field in sorted(broken):  # sorted: the same seed gives the same bodies
         if field == MISSING:
-            del body["prompt" if "prompt" in body else "messages"]
+            del body[next(k for k in ("prompt", "messages", "tokens") if k in body)]
         else:
             body[field] = rng.choice(spec[field])
     return path, broken, body
@@ -369,6 +419,16 @@ EDGES = [
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"max_completion_tokens": 3, "logprobs": True, "top_logprobs": 20}),
     ("/v1/chat/completions", {"stream": True, "stream_options": None, "ignore_eos": False, "user": "u"}),
+    (
+        "/v1/chat/completions",
+        {
+            "metadata": {f"k{i}": "v" * 512 for i in range(16)},
+            "store": True,
+            "service_tier": "flex",
+            "tool_choice": "none",
+        },
+    ),
+    ("/v1/chat/completions", {"add_generation_prompt": False, "continue_final_message": True}),
     ("/v1/completions", {"guided_choice": [str(i) for i in range(255)] + ["\U0001f600"], "temperature": 1.0}),
     (
         "/v1/chat/completions",

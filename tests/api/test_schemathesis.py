@@ -31,7 +31,7 @@ from engine.config import Config
 from engine.local import build_local_engine
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
-EXAMPLES = 120  # both routes, positive and negative
+EXAMPLES = 200  # the four routes, positive and negative
 SEED = 8
 REQUEST_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 30.0
@@ -75,7 +75,8 @@ def base_url() -> Iterator[str]:
 
 
 def test_generated_requests_never_get_a_server_error(base_url: str) -> None:
-    api = schemathesis.openapi.from_url(f"{base_url}/openapi.json").include(path_regex=r"^/v1/(chat/)?completions$")
+    routes = r"^(/v1/(chat/)?completions|/(de)?tokenize)$"
+    api = schemathesis.openapi.from_url(f"{base_url}/openapi.json").include(path_regex=routes)
     cases = st.one_of([api.as_strategy(generation_mode=mode) for mode in GenerationMode])
     statuses: Counter[int] = Counter()
 

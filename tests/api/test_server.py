@@ -107,6 +107,30 @@ def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_tokenize_round_trips_and_counts_what_generation_runs_on(server, http):
+    ids = [int(w[1:]) for w in PROMPT.split()]
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert r == {"count": 6, "max_model_len": 512, "tokens": ids, "token_strs": PROMPT.split()}
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT}
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    usage = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat["tokens"] == ids and chat["count"] == usage["prompt_tokens"]
+    assert http.get("/tokenizer_info").json()["model_max_length"] == 512
+    for path, body, param in [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "messages"),
+        ("/tokenize", {"prompt": PROMPT, "add_generation_prompt": True}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": PROMPT, "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+        ("/detokenize", {"tokens": [96]}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
+    ]:
+        bad = http.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert http.post("/tokenize", json={"model": "other", "prompt": PROMPT}).status_code == 404
+    assert httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).status_code == 401  # no key
+
+
 def test_completion_is_the_engines_greedy_output(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY)
     ids = [int(w[1:]) for w in PROMPT.split()]
