@@ -127,7 +127,7 @@ class _Server:
             ]
         return choices
 
-    def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
+    def chat_choices(self, body: ChatCompletionRequest, tools: ToolUse | None) -> list[Choice]:
         ids = chat_prompt(
             self.model, body.messages, body.tools, bool(body.add_generation_prompt), bool(body.continue_final_message)
         )
@@ -139,6 +139,14 @@ class _Server:
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         sampling = body.sampling(max_tokens, bool(body.logprobs), body.top_logprobs or 0)
+        if tools is not None and tools.grammar is not None:  # "required" or a named function: forced
+            if sampling.structured is not None:
+                raise InvalidRequestError(
+                    f"this tool_choice holds the output to a call; it cannot be combined with {sampling.structured.param}",
+                    param="tool_choice",
+                )
+            sampling = replace(sampling, structured=tools.grammar)
+            sampling.validate()
         body.token_ids_in(self.model.check_ids)
         return [self._choice(i, ids, sampling, i) for i in range(body.num_choices)]
 
@@ -309,10 +317,10 @@ def create_app(
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        fmt = ChatFormat(
-            f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, bool(body.logprobs), ToolUse.of(body)
-        )
-        return await server.run(request, fmt, server.chat_choices(body), bool(body.stream), body.include_usage)
+        tools = ToolUse.of(body)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, server.model, bool(body.logprobs), tools)
+        choices = server.chat_choices(body, tools)
+        return await server.run(request, fmt, choices, bool(body.stream), body.include_usage)
 
     app.include_router(v1)
     # vLLM's routes, outside /v1 as in vLLM, behind the same key.

@@ -35,7 +35,7 @@ from api.protocol import (
     Usage,
 )
 from api.text import TextModel
-from api.tool_calls import ParsedCall, ToolCallParser, ToolUse
+from api.tool_calls import CallPiece, CallReader, ToolUse
 from engine.messages import TopLogprobs
 
 
@@ -191,25 +191,27 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex}"
 
 
+def _call_delta(piece: CallPiece) -> ToolCallDelta:
+    if piece.name is None:
+        return ToolCallDelta(index=piece.index, function=FunctionCallDelta(arguments=piece.arguments))
+    head = FunctionCallDelta(name=piece.name, arguments=piece.arguments)
+    return ToolCallDelta(index=piece.index, id=_call_id(), type="function", function=head)
+
+
 class ChatFormat(Format):
     def __init__(
         self, req_id: str, model_name: str, model: TextModel, logprobs: bool, tools: ToolUse | None = None
     ) -> None:
         super().__init__(req_id, model_name, model, logprobs)
         self.tools = tools
-        self._parsers: dict[int, ToolCallParser] = {}  # each streamed choice's
+        self._readers: dict[int, CallReader] = {}  # each streamed choice's
 
-    def _finish(self, calls: list[ParsedCall], finish: str | None) -> str | None:
+    def _finish(self, reader: CallReader, finish: str | None) -> str | None:
         assert self.tools is not None
-        unmet = self.tools.unmet(calls)
+        unmet = self.tools.unmet(reader)
         if unmet is not None:
-            raise APIError(
-                500,
-                f"{unmet} (raypd does not constrain the output to a call)",
-                type="server_error",
-                code="tool_call_missing",
-            )
-        return "tool_calls" if calls and finish == "stop" else finish
+            raise APIError(500, f"{unmet} (finish_reason {finish})", type="server_error", code="tool_call_missing")
+        return "tool_calls" if reader.calls and finish == "stop" else finish
 
     def _logprobs(self, delta: Delta) -> ChatLogprobs | None:
         if not self.logprobs or delta.logprobs is None:
@@ -241,23 +243,13 @@ class ChatFormat(Format):
         if self.tools is None:
             messages = [DeltaMessage(content=delta.text or None)]
         else:
-            parser = self._parsers.setdefault(delta.index, ToolCallParser(self.tools.max_calls))
-            first = len(parser.calls)
-            content, calls = parser.push(delta.text, final=finish is not None)
+            reader = self._readers.setdefault(delta.index, self.tools.reader())
+            content, pieces = reader.push(delta.text, final=finish is not None)
             if finish is not None:
-                finish = self._finish(parser.calls, finish)
+                finish = self._finish(reader, finish)
             # As OpenAI streams a call: its id, type and name first, then its arguments.
-            messages = [DeltaMessage(content=content)] if content or not calls else []
-            for index, call in enumerate(calls, start=first):
-                head = FunctionCallDelta(name=call.name, arguments="")
-                messages.append(
-                    DeltaMessage(tool_calls=[ToolCallDelta(index=index, id=_call_id(), type="function", function=head)])
-                )
-                messages.append(
-                    DeltaMessage(
-                        tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.arguments))]
-                    )
-                )
+            messages = [DeltaMessage(content=content)] if content or not pieces else []
+            messages += [DeltaMessage(tool_calls=[_call_delta(piece)]) for piece in pieces]
         last = len(messages) - 1
         return [
             ChatCompletionChunk(
@@ -281,11 +273,11 @@ class ChatFormat(Format):
     def _choice(self, delta: Delta) -> ChatChoice:
         message, finish = AssistantMessage(content=delta.text), delta.finish_reason
         if self.tools is not None:
-            parser = ToolCallParser(self.tools.max_calls)
-            content, calls = parser.push(delta.text, final=True)
-            finish = self._finish(calls, finish)
+            reader = self.tools.reader()
+            content, _ = reader.push(delta.text, final=True)
+            finish = self._finish(reader, finish)
             tool_calls = [
-                ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+                ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls
             ]
             message = AssistantMessage(content=content or None, tool_calls=tool_calls or None)
         return ChatChoice(index=delta.index, message=message, logprobs=self._logprobs(delta), finish_reason=finish)

@@ -2,9 +2,10 @@
 renders them (transformers is the oracle), the Hermes `<tool_call>` parser on whole and streamed
 text, and the chat route's tool calls, whole and streamed, read by the `openai` package.
 
-The shipped models are too small to call a tool on their own, so the route's tests run on an
-engine that replays a recorded output (`ReplayCore`): the detokenizer, stop handling, parser
-and formatter on the way out are the real ones.
+The shipped models are too small to call a tool on their own, so the tests of `tool_choice:
+"auto"` run on an engine that replays a recorded output (`ReplayCore`): the detokenizer, stop
+handling, parser and formatter on the way out are the real ones. "required" and a named
+function hold the output to a grammar, so those tests run the shipped model itself.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from transformers import PreTrainedTokenizerFast
 from api import Engine, RoundRobinRouter, create_app
 from api.protocol import ChatMessage, Tool
 from api.tokenization import chat_prompt
-from api.tool_calls import ParsedCall, ToolCallParser, parse_call
+from api.tool_calls import HermesReader, ParsedCall, parse_call
 from engine.config import Config
+from engine.local import build_local_engine
 from engine.messages import EngineStats, OutputBatch, RequestOutput
 from tests.api.test_text import byte_model
 from training.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
@@ -52,19 +54,27 @@ TWO_CALLS = "Let me look.\n" + CALL + '\n<tool_call>\n{"name": "get_time", "argu
 
 
 def parse_whole(text: str, max_calls: int | None = None) -> tuple[str, list[ParsedCall]]:
-    return ToolCallParser(max_calls).push(text, final=True)
+    reader = HermesReader(max_calls)
+    content, _ = reader.push(text, final=True)
+    return content, reader.calls
 
 
 def parse_streamed(pieces: list[str], max_calls: int | None = None) -> tuple[str, list[ParsedCall]]:
-    parser = ToolCallParser(max_calls)
+    """Content and calls as a client rebuilds them from the streamed pieces."""
+    reader = HermesReader(max_calls)
     content, calls = "", []
     for i, piece in enumerate(pieces):
         final = i == len(pieces) - 1
-        new, found = parser.push(piece, final)
+        new, found = reader.push(piece, final)
         # Before the end, a call's start is shown only with its end: a malformed block whole.
         assert final or "<tool_call" not in new or "</tool_call>" in content + new, "a call's start leaked"
         content += new
-        calls += found
+        for p in found:
+            if p.name is not None:
+                calls.append(ParsedCall(p.name, p.arguments))
+            else:
+                calls[p.index] = ParsedCall(calls[p.index].name, calls[p.index].arguments + p.arguments)
+    assert calls == reader.calls
     return content, calls
 
 
@@ -100,9 +110,9 @@ def test_parser_whole_and_streamed_agree(text, content, calls):
 
 
 def test_parser_holds_back_only_what_may_start_a_call():
-    parser = ToolCallParser()
-    assert parser.push("Sure <tool", final=False) == ("Sure", [])  # the space waits for more content
-    assert parser.push("s are here", final=False) == (" <tools are here", [])
+    reader = HermesReader()
+    assert reader.push("Sure <tool", final=False) == ("Sure", [])  # the space waits for more content
+    assert reader.push("s are here", final=False) == (" <tools are here", [])
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only():
@@ -296,39 +306,106 @@ def test_a_malformed_call_stays_content(model_dir):
     assert accumulate(chunks) == (text, {}, "stop")
 
 
-GET_TIME = {"type": "function", "function": {"name": "get_time"}}
+# -- tool_choice "required" and a named function: the shipped model, held to a grammar -----------
+
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+VALID = {"set_unit": [{"unit": "c"}, {"unit": "f"}], "get_time": [{}]}
 
 
-@pytest.mark.parametrize(
-    "text, tool_choice, why",
-    [
-        ("I will not call.", "required", "made none"),
-        (TWO_CALLS, GET_TIME, "called 'get_weather'"),
-    ],
-)
-def test_required_or_named_choice_without_that_call_is_an_error(model_dir, text, tool_choice, why):
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """`served(fn)` runs `fn(openai_client)` against the app over a real engine on the shipped
+    model (with the Hermes template), kept for the module."""
+    cfg = Config(model=model_dir, served_model_name="tiny", device="cpu", num_kv_blocks=256, max_model_len=1024)
+    loop = asyncio.new_event_loop()
+    core, worker = build_local_engine(cfg)
+    router = RoundRobinRouter([Engine.local("e0", core)])
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, router)), base_url="http://raypd/v1")
+    client = openai.AsyncOpenAI(base_url="http://raypd/v1", api_key="x", http_client=http, max_retries=0)
+    yield lambda fn: loop.run_until_complete(fn(client))
+    loop.run_until_complete(http.aclose())
+    loop.run_until_complete(router.close())
+    loop.run_until_complete(core.close())
+    worker.close()
+    loop.close()
+
+
+def forced(served, **kw):
+    return served(lambda c: whole_and_streamed(c, tools=[UNIT, CLOCK], max_tokens=80, temperature=0, **kw))
+
+
+def test_a_named_function_is_called_with_arguments_valid_for_it(served):
+    whole, chunks = forced(served, tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "set_unit" and json.loads(call.function.arguments) in VALID["set_unit"]
+    assert whole.choices[0].message.content is None and whole.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = accumulate(chunks)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("set_unit", call.function.arguments)]
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_gives_calls_to_the_tools_given(served, parallel):
+    kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+    whole, chunks = forced(served, tool_choice="required", **kw)
+    calls = whole.choices[0].message.tool_calls
+    assert calls and all(json.loads(c.function.arguments) in VALID[c.function.name] for c in calls)
+    assert parallel is None or len(calls) == 1
+    assert whole.choices[0].finish_reason == "tool_calls"
+    _, streamed, finish = accumulate(chunks)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_a_forced_call_cut_off_by_max_tokens(served):
     async def fn(client):
-        with pytest.raises(openai.InternalServerError) as whole:
-            await client.chat.completions.create(
-                model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice
-            )
-        stream = await client.chat.completions.create(
-            model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=True
+        named = await client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=[UNIT],
+            tool_choice={"type": "function", "function": {"name": "set_unit"}},
+            max_tokens=3,
         )
-        with pytest.raises(openai.APIError) as streamed:
-            async for _ in stream:
-                pass
-        return whole.value, streamed.value
+        with pytest.raises(openai.InternalServerError) as required:
+            await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, tools=[UNIT], tool_choice="required", max_tokens=3
+            )
+        return named, required.value
 
-    whole, streamed = chat(model_dir, text, fn)
-    assert whole.body["code"] == "tool_call_missing" and why in whole.body["message"]
-    assert why in streamed.message
+    named, required = served(fn)
+    # As OpenAI: a named call cut off keeps what was written, with finish_reason "length".
+    assert named.choices[0].finish_reason == "length"
+    assert '{"unit": "c"}'.startswith(named.choices[0].message.tool_calls[0].function.arguments[:3])
+    assert required.body["code"] == "tool_call_missing"
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_or_named_choice_with_the_call_is_served(model_dir, tool_choice):
-    whole, chunks = chat(
-        model_dir, CALL, lambda c: whole_and_streamed(c, tools=[WEATHER, TIME], tool_choice=tool_choice)
-    )
-    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
-    assert accumulate(chunks)[1][0]["name"] == "get_weather"
+def test_a_forced_call_and_another_structured_output_are_a_400(served):
+    async def fn(client):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model="tiny",
+                messages=MESSAGES,
+                tools=[UNIT],
+                tool_choice="required",
+                response_format={"type": "json_object"},
+            )
+        return e.value.body
+
+    assert served(fn)["param"] == "tool_choice"
