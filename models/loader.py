@@ -4,11 +4,19 @@ Reads `config.json`, `model.safetensors` (or a sharded index), `tokenizer.json` 
 `tokenizers` library, and `generation_config.json` and a chat template when present.
 Every way a directory can be unusable is a `ModelLoadError` naming the file or tensor. The
 JSON files alone are read by models/model_files.py, which the processes without torch use.
+
+Checkpoint names become the model's by prefix (`_ALIASES`); a released multimodal directory's
+vision tower and multi-token-prediction weights are skipped (`_SKIPPED`) and named once in the
+log. Experts load from either layout on disk: one tensor per expert (`experts.N.up_proj.weight`,
+as released checkpoints and `save_pretrained` write them) or fused 3D tensors
+(`experts.gate_up_proj`, `experts.down_proj`, transformers' in-memory layout).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +29,7 @@ from torch import nn
 
 from models.config import ConfigError, ModelConfig
 from models.layers import pack_linears, stack_projections
-from models.model_files import ModelLoadError, load_config, load_generation_config, read_json
+from models.model_files import ModelLoadError, load_chat_template, load_config, load_generation_config, read_json
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
@@ -33,8 +41,16 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
 }
+log = logging.getLogger(__name__)
+
 # Older NemotronH checkpoints name the backbone `backbone.`; transformers 5 names it `model.`.
-_ALIASES = (("backbone.", "model."),)
+# A multimodal wrapper (Qwen3.5's `…ForConditionalGeneration`) holds its text model under
+# `model.language_model.`.
+_ALIASES = (("backbone.", "model."), ("model.language_model.", "model."))
+# Beside the language model, not served: the vision tower and the multi-token-prediction heads.
+_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+# Experts fused into one [experts, out, in] tensor per projection.
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|up_proj|down_proj)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +61,7 @@ class LoadedModel:
     eos_token_id: int | None
     generation: dict[str, Any] | None
     chat_template: str | None
+    skipped: tuple[str, ...] = ()  # checkpoint tensors not served (vision tower, MTP heads)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -61,20 +78,45 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"missing file {single} (and no model.safetensors.index.json)")
 
 
-def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors under our parameter names, and each one's name in the checkpoint (for errors)."""
+def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """Tensors under our parameter names, each one's name in the checkpoint (for errors), and
+    the names of the tensors skipped."""
     tensors: dict[str, torch.Tensor] = {}
     original: dict[str, str] = {}
+    skipped: list[str] = []
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                if name.startswith(_SKIPPED):
+                    skipped.append(name)
+                    continue
                 key = name
                 for old, new in _ALIASES:
                     if key.startswith(old):
                         key = new + key[len(old) :]
-                tensors[key] = f.get_tensor(name)
-                original[key] = name
-    return tensors, original
+                for part, t in _unfused(key, name, f.get_tensor(name)):
+                    tensors[part] = t
+                    original[part] = name
+    return tensors, original, sorted(skipped)
+
+
+def _unfused(key: str, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused experts tensor as the per-expert tensors the model holds; any other as is."""
+    m = _FUSED_EXPERTS.fullmatch(key)
+    if m is None:
+        return [(key, t)]
+    if t.dim() != 3:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}, expected [experts, out, in]")
+    prefix, proj = m.groups()
+    if proj != "gate_up_proj":
+        return [(f"{prefix}.{i}.{proj}.weight", w) for i, w in enumerate(t.unbind(0))]
+    if t.shape[1] % 2:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}: its gate and up halves are unequal")
+    parts = []
+    for i, w in enumerate(t.unbind(0)):
+        gate, up = w.chunk(2)
+        parts += [(f"{prefix}.{i}.gate_proj.weight", gate), (f"{prefix}.{i}.up_proj.weight", up)]
+    return parts
 
 
 def _assign(model: nn.Module, weights: dict[str, torch.Tensor], original: dict[str, str], tied: bool) -> None:
@@ -94,14 +136,6 @@ def _assign(model: nn.Module, weights: dict[str, torch.Tensor], original: dict[s
                 f"tensor {original[name]} has shape {tuple(t.shape)}, the config implies {tuple(expected[name].shape)}"
             )
     model.load_state_dict(weights, strict=not tied)
-
-
-def _chat_template(model_dir: Path) -> str | None:
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    cfg = model_dir / "tokenizer_config.json"
-    return read_json(cfg).get("chat_template") if cfg.exists() else None
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE) -> nn.Module:
@@ -131,13 +165,16 @@ def load_model(
     except ConfigError as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
     model = build_model(local, tp)
-    weights, original = _read_weights(path)
+    weights, original, skipped = _read_weights(path)
+    if skipped:
+        log.info("%s: %d tensors not served (vision tower, multi-token prediction): %s", path, len(skipped), skipped)
     _assign(model, shard_weights(cfg, weights, tp.rank, tp.size), original, cfg.tie_word_embeddings)
     model = model.to(dtype=dtype or getattr(torch, cfg.dtype), device=device).eval()
     stack_projections(model)
     pack_linears(model)
     generation, eos = load_generation_config(path, cfg)
-    return LoadedModel(model, local, tokenizer, eos, generation, _chat_template(path))
+    template = load_chat_template(path).template
+    return LoadedModel(model, local, tokenizer, eos, generation, template, tuple(skipped))
 
 
 def save_model(model: nn.Module, hf_config: dict[str, Any], out_dir: str | Path) -> None:

@@ -1,6 +1,6 @@
-"""NemotronH-style hybrid decoder: the layer sequence is Mamba2 (`M`), attention (`*`) and
-MLP (`-`) blocks, each a pre-norm residual block, as transformers' NemotronHForCausalLM
-reads its `hybrid_override_pattern`. Its attention has no positional embedding: order
+"""NemotronH-style hybrid decoder: the layer sequence is Mamba2 (`M`), attention (`*`), MLP
+(`-`) and mixture-of-experts (`E`, models/moe.py) blocks, each a pre-norm residual block, as
+transformers' NemotronHForCausalLM reads its `hybrid_override_pattern` (`layers_block_type`). Its attention has no positional embedding: order
 comes from the Mamba layers."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from torch import nn
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import Linear, ProjectionStacks, RMSNorm, relu2
+from models.layers import Linear, ProjectionStacks, RMSNorm
 from models.mamba import Mamba2Mixer
+from models.mlp import Relu2MLP
+from models.moe import MoE
 from models.tensor_parallel import SINGLE, TPGroup
 
 
@@ -52,16 +54,6 @@ class Attention(ProjectionStacks):
         return self.o_proj(out.flatten(-2))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(relu2(self.up_proj(h)))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, tp: TPGroup) -> None:
         super().__init__()
@@ -72,8 +64,10 @@ class Block(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.norm_eps, cfg.use_bias, tp)
         elif kind == "attention":
             self.mixer = Attention(cfg)
+        elif kind == "moe":
+            self.mixer = MoE(cfg)
         else:
-            self.mixer = MLP(cfg)
+            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
 class Backbone(nn.Module):
@@ -101,7 +95,7 @@ class NemotronHForCausalLM(nn.Module):
         for block in self.model.layers:
             mixer = block.mixer
             x = block.norm(h)
-            h = h + self.tp.all_reduce(mixer.forward_dense(x) if block.kind != "mlp" else mixer(x))
+            h = h + self.tp.all_reduce(mixer.forward_dense(x) if block.kind in ("mamba", "attention") else mixer(x))
         return self.lm_head(self.model.norm_f(h)).float()
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:

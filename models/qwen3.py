@@ -1,4 +1,5 @@
-"""Qwen3 dense decoder: GQA attention with q/k RMSNorm and RoPE, SwiGLU MLP."""
+"""Qwen3 decoder: GQA attention with q/k RMSNorm and RoPE, a SwiGLU MLP or, in Qwen3-MoE's
+sparse layers, a mixture of SwiGLU experts (models/moe.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from torch import nn
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
-from models.layers import Linear, ProjectionStacks, RMSNorm, Rotary, silu_mul
+from models.layers import Linear, ProjectionStacks, RMSNorm, Rotary
+from models.moe import feed_forward
 from models.pre_norm import PreNormCausalLM
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -70,29 +72,13 @@ class Qwen3Attention(ProjectionStacks):
         return self.o_proj(out.flatten(-2))
 
 
-class Qwen3MLP(ProjectionStacks):
-    """The gate and up projections run as one matmul once stacked."""
-
-    STACKS: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.project("gate_up_proj", h)
-        return self.down_proj(silu_mul(gate, up))
-
-
 class Qwen3Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
         self.self_attn = Qwen3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp = feed_forward(cfg, index)
 
     def mixer_dense(self, h: torch.Tensor) -> torch.Tensor:
         return self.self_attn.forward_dense(h)
@@ -105,7 +91,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in cfg.layer_kinds)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg, i) for i in range(len(cfg.layer_kinds)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
 
 

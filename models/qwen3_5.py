@@ -1,6 +1,7 @@
 """Qwen3.5-style hybrid decoder (the text model of transformers' `qwen3_5`).
 
-Each layer is a token mixer and a SwiGLU MLP, both pre-norm residual blocks. The mixer is
+Each layer is a token mixer and a SwiGLU MLP (Qwen3.5-MoE: a mixture of SwiGLU experts with a
+gated shared expert, models/moe.py), both pre-norm residual blocks. The mixer is
 Gated DeltaNet (`linear_attention`, state in a "mamba"-kind state page) or gated full
 attention (`full_attention`, K/V in paged attention blocks), as the config's `layer_types`
 say. The full attention differs from Qwen3's in three ways: `q_proj` also yields a per-head
@@ -20,8 +21,8 @@ from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.layers import Linear, ProjectionStacks, Rotary
+from models.moe import feed_forward
 from models.pre_norm import PreNormCausalLM
-from models.qwen3 import Qwen3MLP
 from models.tensor_parallel import SINGLE, TPGroup
 
 
@@ -85,7 +86,7 @@ class GatedAttention(ProjectionStacks):
 
 
 class Qwen3_5Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, index: int) -> None:
         super().__init__()
         self.kind = kind
         if kind == "mamba":
@@ -93,7 +94,7 @@ class Qwen3_5Layer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.gated_delta_net, cfg.norm_eps)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp = feed_forward(cfg, index)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.norm_eps)
 
@@ -111,7 +112,7 @@ class Qwen3_5Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5Layer(cfg, kind) for kind in cfg.layer_kinds)
+        self.layers = nn.ModuleList(Qwen3_5Layer(cfg, kind, i) for i, kind in enumerate(cfg.layer_kinds))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 

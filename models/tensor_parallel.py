@@ -8,6 +8,12 @@ row-parallel (columns split) and the models all-reduce each block's output befor
 residual add. Embeddings, norms and the LM head are replicated: every rank ends a step
 with the same logits.
 
+A mixture of experts splits like the dense MLP: every rank holds every expert (and the shared
+expert) with its share of the intermediate width, and the router, the shared expert's gate
+and a latent projection into the experts are replicated. Its output is then a partial sum
+like any block's, whichever experts the tokens chose, and every rank reads 1/N of each
+picked expert's weights in a step (docs/design.md §11 has why not experts over ranks).
+
 When TP exceeds a head count that cannot be split (attention KV heads, Gated DeltaNet key
 heads, Mamba's single B/C group), each rank keeps the heads its query (value) heads read:
 those are replicated, not split.
@@ -15,6 +21,7 @@ those are replicated, not split.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -59,6 +66,8 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) 
 
 
 Rule = Callable[[torch.Tensor], torch.Tensor]
+# An expert's index in a tensor name, which the rules name as `experts.*`.
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
 def _rows(spans: list[range], dim: int = 0) -> Rule:
@@ -99,6 +108,28 @@ def _rules(cfg: ModelConfig, rank: int, size: int) -> dict[str, Rule]:
         rules |= _mamba_rules(cfg, rank, size, rank0_only)
     if cfg.gated_delta_net is not None:
         rules |= _gated_deltanet_rules(cfg, rank, size)
+    if cfg.moe is not None:
+        rules |= _moe_rules(cfg, rank, size, rank0_only)
+    return rules
+
+
+def _moe_rules(cfg: ModelConfig, rank: int, size: int, rank0_only: Rule) -> dict[str, Rule]:
+    """Each expert's and the shared expert's intermediate width split as the dense MLP's;
+    the latent projection out of the experts adds its bias once."""
+    m = cfg.moe
+    assert m is not None
+    experts = even_share(m.intermediate_size, rank, size, "moe_intermediate_size")
+    rules: dict[str, Rule] = {}
+    for name in ("up_proj", "gate_proj"):
+        rules[f"experts.*.{name}.weight"] = _rows([experts])
+    rules["experts.*.down_proj.weight"] = _rows([experts], 1)
+    if m.shared_intermediate_size:
+        shared = even_share(m.shared_intermediate_size, rank, size, "shared_expert_intermediate_size")
+        for module in ("shared_expert", "shared_experts"):
+            for name in ("up_proj", "gate_proj"):
+                rules[f"{module}.{name}.weight"] = rules[f"{module}.{name}.bias"] = _rows([shared])
+            rules[f"{module}.down_proj.weight"], rules[f"{module}.down_proj.bias"] = _rows([shared], 1), rank0_only
+    rules["fc2_latent_proj.bias"] = rank0_only
     return rules
 
 
@@ -153,8 +184,11 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
     if size == 1:
         return weights
     rules = _rules(cfg, rank, size)
+    # The most specific rule first: an expert's `up_proj` is not the dense MLP's.
+    ordered = sorted(rules.items(), key=lambda item: -len(item[0]))
     out = {}
     for name, t in weights.items():
-        rule = next((r for suffix, r in rules.items() if name.endswith("." + suffix)), None)
+        generic = _EXPERT_INDEX.sub(".experts.*.", name)
+        rule = next((r for suffix, r in ordered if generic.endswith("." + suffix)), None)
         out[name] = rule(t) if rule is not None else t
     return out

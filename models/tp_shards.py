@@ -72,4 +72,13 @@ def shard_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
         g = cfg.gated_delta_net
         linear = split_heads(g.num_v_heads, g.num_k_heads, rank, size, "linear attention")
         local["gated_delta_net"] = dataclasses.replace(g, num_v_heads=len(linear.q), num_k_heads=len(linear.kv))
+    if cfg.moe is not None:
+        e = cfg.moe
+        local["moe"] = dataclasses.replace(
+            e,
+            intermediate_size=len(even_share(e.intermediate_size, rank, size, "moe_intermediate_size")),
+            shared_intermediate_size=len(
+                even_share(e.shared_intermediate_size, rank, size, "shared_expert_intermediate_size")
+            ),
+        )
     return dataclasses.replace(cfg, **local)

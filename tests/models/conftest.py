@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.hf_fixtures import save_hf_model
+from tests.models.hf_fixtures import MOE_KINDS, save_hf_model
 
 
-@pytest.fixture(scope="session", params=["nemotron_h", "qwen3", "qwen3_5"])
+@pytest.fixture(scope="session", params=["nemotron_h", "qwen3", "qwen3_5", *MOE_KINDS])
 def hf_model(request, tmp_path_factory):
-    """(kind, path, transformers model) for each supported architecture."""
+    """(kind, path, transformers model) for each supported architecture and its MoE variant
+    (those saved sharded, Qwen3.5-MoE as the released multimodal directory)."""
     out = tmp_path_factory.mktemp(request.param)
     return request.param, out, save_hf_model(request.param, out)
 

@@ -1,7 +1,11 @@
+"""Every way a model directory cannot be served is a ModelLoadError naming the file, tensor or
+field, for single-file and sharded (indexed) checkpoints alike."""
+
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +23,30 @@ def model_dir(hf_model, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the one file, or the index's shards."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
+        return [model_dir / "model.safetensors"]
+    return [model_dir / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
+def file_holding(model_dir: Path, suffix: str) -> tuple[Path, str]:
+    """The weight file with a served tensor (not the vision tower's) whose name ends in
+    `suffix`, and that name."""
+    for path in weight_files(model_dir):
+        name = next((k for k in load_file(path) if k.endswith(suffix) and "visual" not in k), None)
+        if name is not None:
+            return path, name
+    raise AssertionError(f"no tensor ends in {suffix}")
+
+
+@pytest.mark.parametrize("name", ["config.json", "weights", "tokenizer.json"])
 def test_missing_file_is_named(model_dir, name):
-    (model_dir / name).unlink()
-    with pytest.raises(ModelLoadError, match=name):
+    """`weights`: model.safetensors, or a shard the index lists."""
+    path = weight_files(model_dir)[-1] if name == "weights" else model_dir / name
+    path.unlink()
+    with pytest.raises(ModelLoadError, match=path.name):
         load_model(model_dir)
 
 
@@ -40,26 +64,47 @@ def test_unknown_architecture_is_named(model_dir):
         load_model(model_dir)
 
 
-def test_wrong_tensor_shape_is_named(model_dir):
-    weights = load_file(model_dir / "model.safetensors")
-    name = next(k for k in weights if k.endswith("o_proj.weight"))
+@pytest.mark.parametrize("suffix", ["o_proj.weight", "experts.1.down_proj.weight"])
+def test_wrong_tensor_shape_is_named(hf_model, model_dir, suffix):
+    if "experts" in suffix and not hf_model[0].endswith("_moe"):
+        suffix = "down_proj.weight"  # a dense model's MLP
+    path, name = file_holding(model_dir, suffix)
+    weights = load_file(path)
     weights[name] = torch.zeros(weights[name].shape[0], weights[name].shape[1] + 1)
-    save_file(weights, model_dir / "model.safetensors")
+    save_file(weights, path)
     with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
         load_model(model_dir)
 
 
 def test_missing_tensor_is_named(model_dir):
-    weights = load_file(model_dir / "model.safetensors")
-    name = sorted(weights)[3]
+    path, name = file_holding(model_dir, "norm.weight")
+    weights = load_file(path)
     del weights[name]
-    save_file(weights, model_dir / "model.safetensors")
+    save_file(weights, path)
     with pytest.raises(ModelLoadError, match="lacks"):
         load_model(model_dir)
 
 
+def test_unknown_layer_type_is_named(hf_model, model_dir):
+    kind = hf_model[0]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    if kind.startswith("nemotron_h"):
+        field = "layers_block_type" if "layers_block_type" in text else "hybrid_override_pattern"
+        text[field] = [*text[field][:-1], "cross_attention"] if field == "layers_block_type" else text[field] + "X"
+    elif kind.startswith("qwen3_5"):
+        text["layer_types"] = [*text["layer_types"][:-1], "sliding_attention"]
+    else:
+        pytest.skip("Qwen3 names no layer types")  # its attention-only stack has none to name
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"cross_attention|'X'|sliding_attention"):
+        load_model(model_dir)
+
+
 def test_sharded_checkpoint_loads(model_dir):
-    weights = load_file(model_dir / "model.safetensors")
+    weights = {k: v for path in weight_files(model_dir) for k, v in load_file(path).items()}
+    for path in weight_files(model_dir):
+        path.unlink()
     names = sorted(weights)
     half = len(names) // 2
     shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
@@ -67,7 +112,6 @@ def test_sharded_checkpoint_loads(model_dir):
         save_file({k: weights[k] for k in keys}, model_dir / shard)
     index = {"weight_map": {k: s for s, keys in shards.items() for k in keys}}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
-    (model_dir / "model.safetensors").unlink()
     loaded = load_model(model_dir, dtype=torch.float32)
     head = loaded.model.lm_head  # fp32 on the CPU: its weight is held packed for oneDNN
     ours = head.weight if head.packed is None else head.packed.to_dense()

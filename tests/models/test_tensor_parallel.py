@@ -3,7 +3,7 @@
 Each case saves a random transformers checkpoint, runs it whole in this process, then in
 two spawned processes that each load their shard and all-reduce over gloo on 127.0.0.1.
 Cases with one KV head (and one Gated DeltaNet key head, one Mamba group) make the ranks
-replicate what they cannot split.
+replicate what they cannot split; MoE cases split every expert's width.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ CASES = {
     "qwen3-1kv": ("qwen3", {"num_key_value_heads": 1}),
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5-1kv": ("qwen3_5", {"num_key_value_heads": 1, "linear_num_key_heads": 1}),
+    # Each expert's (and the shared expert's) intermediate width split over the ranks.
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
+    "nemotron_h_moe": ("nemotron_h_moe", {}),
 }
 
 
