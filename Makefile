@@ -7,7 +7,7 @@ KERNELS := $(VENV)/.kernels
 # while it lints (each ~1 min, mostly one core).
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup lint test test-faults soak test-cluster test-multinode test-sim-long model accuracy serve bench bench-peers gpu-check clean
+.PHONY: setup lint test test-faults soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers gpu-check clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -74,6 +74,16 @@ accuracy: setup
 SERVE_ARGS ?=
 serve: setup
 	$(PY) -m serve --prefill 1 --decode 1 $(SERVE_ARGS)
+
+# lm-eval (the `eval` extra) against `python -m serve`, colocated and 1P1D, scored by
+# loglikelihood and by generation, compared with the same scores computed in-process.
+EVAL_STAMP := $(VENV)/.eval-installed
+$(EVAL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[eval]'
+	touch $@
+
+eval-check: setup $(EVAL_STAMP)
+	$(PY) -m bench.lm_eval_check
 
 # Benchmarks (not part of `make test`): KV transfer paths and the scheduler's share of a step.
 bench: setup
