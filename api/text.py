@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from engine.messages import InvalidRequestError
 from engine.stop import truncate_at_stop
-from models.model_files import load_config, load_generation_config
+from models.model_files import load_chat_template, load_config, load_generation_config
 
 # Prompt tokens decoded ahead of the output, so a decoder that joins tokens with spaces
 # (word-level) or merges bytes (byte-level) renders the first output token as it would in
@@ -41,25 +41,21 @@ class TextModel:
     eos_token_id: int | None
     max_model_len: int
     vocab_size: int
-    special_tokens: dict[str, str]  # bos_token / eos_token, as templates expect them
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as templates expect them
 
     @classmethod
     def load(cls, model_dir: str, max_model_len: int | None = None) -> TextModel:
         path = Path(model_dir)
         model_cfg = load_config(path)
         _, eos = load_generation_config(path, model_cfg)
-        tok_cfg_path = path / "tokenizer_config.json"
-        tok_cfg: dict[str, Any] = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
-        jinja = path / "chat_template.jinja"
-        template = jinja.read_text() if jinja.exists() else tok_cfg.get("chat_template")
-        special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := tok_cfg.get(k), str)}
+        chat = load_chat_template(path)
         return cls(
             Tokenizer.from_file(str(path / "tokenizer.json")),
-            template,
+            chat.template,
             eos,
             max_model_len or model_cfg.max_position_embeddings,
             model_cfg.vocab_size,
-            special,
+            chat.special_tokens,
         )
 
     def encode(self, text: str, special: bool = True) -> list[int]:
