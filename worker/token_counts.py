@@ -55,6 +55,8 @@ class TokenCounts:
 
     def record(self, req_ids: Sequence[str], tokens: Sequence[int]) -> None:
         """Count each request's newly sampled token (requests without a row are skipped)."""
+        if not self._rows:
+            return  # no penalized request: the common step does nothing here
         pairs = [(self._rows[r], t) for r, t in zip(req_ids, tokens, strict=True) if r in self._rows]
         if not pairs:
             return
