@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP: Qwen3-MoE's and Qwen3.5-MoE's sparse MLP, NemotronH's `moe` layer.
+"""Mixture-of-experts MLP: Qwen3-MoE's and Qwen3.5-MoE's sparse MLP, NemotronH's `moe` layer
+(docs/design.md §20).
 
 A router picks `top_k` experts per token (`MoESpec` in models/config.py says how, exactly as
 transformers computes it); the step's tokens are then grouped by expert, once: one sort of
