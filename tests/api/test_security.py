@@ -81,7 +81,7 @@ def test_size_limits_answer_400_naming_the_field(checkpoint, change, param):
 
 def test_a_client_cannot_supply_kv_transfer_parameters(checkpoint):
     """A decode engine given a client's transfer parameters would READ whatever memory they name;
-    the API has no such field, so they are dropped like any unknown field."""
+    the API has no such field, so they are refused by name like any field it does not implement."""
     forged = {
         "engine_id": "raypd-prefill-0",
         "agent_name": "evil",
@@ -96,9 +96,8 @@ def test_a_client_cannot_supply_kv_transfer_parameters(checkpoint):
         return plain, sneaky
 
     plain, sneaky = run(config(checkpoint), fn)
-    assert plain.status_code == sneaky.status_code == 200
-    assert sneaky.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
-    assert sneaky.json()["usage"] == plain.json()["usage"]
+    assert plain.status_code == 200
+    assert sneaky.status_code == 400 and sneaky.json()["error"]["param"] == "kv_transfer_params", sneaky.text
 
 
 UNPICKLERS = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}

@@ -265,8 +265,10 @@ def test_malformed_json_unknown_model_and_bad_key(server, http, client):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "t1"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    # Unknown fields are ignored, and the server still serves after all of the above.
+    # An unknown field is refused by name, and the server still serves after all of the above.
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "t1", "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "t1", "max_tokens": 2, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
 
 
