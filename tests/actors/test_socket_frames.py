@@ -17,6 +17,7 @@ from engine.core import EngineCore
 from engine.messages import (
     CachedRequestData,
     InvalidRequestError,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     OutputBatch,
@@ -37,15 +38,35 @@ def test_the_messages_come_through_as_sent():
     params = KVTransferParams("pre-0", "agent", ((1, 2), (3,)), 17, "req-p", expires_at=5.0)
     step = SchedulerOutput(
         7,
-        [NewRequestData("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.5), [[1], [2]], 0)],
+        [
+            NewRequestData(
+                "a",
+                [1, 2, 3],
+                SamplingParams(max_tokens=4, temperature=0.5, logit_bias=((3, 1.5),), stop_token_ids=(7,), min_p=0.1),
+                [[1], [2]],
+                0,
+                scored_tail=(4,),
+            )
+        ],
         [CachedRequestData("b", 9, [[4], []], resumed=True)],
         {"a": 3, "b": 1},
         ["c"],
         [5, 6],
         ConnectorMetadata((LoadSpec("a", params, ((1, 2), (3,))),), (("agent", "req-q"),)),
     )
-    result = ModelRunnerOutput(7, {"a": 11}, {"a": -0.5}, failed_loads={"x": [1]}, failed_reqs={"y": "bad"})
-    batch = OutputBatch(["a"], [11], [3], [1], [RequestOutput("b", [2], None, "stop", 9, 2)])
+    result = ModelRunnerOutput(
+        7,
+        {"a": 11},
+        {"a": -0.5},
+        failed_loads={"x": [1]},
+        failed_reqs={"y": "bad"},
+        top_logprobs={"a": [(11, -0.5), (3, -1.5)]},
+        prompt_logprobs={"a": Logprobs(1, [-2.0, -0.25], [[(4, -0.1)], [(5, -0.2)]])},
+    )
+    scored = RequestOutput(
+        "b", [2], [-0.5], "stop", 9, 2, top_logprobs=[[(2, -0.5)]], prompt_logprobs=Logprobs(1, [], [])
+    )
+    batch = OutputBatch(["a"], [11], [3], [1], [scored])
     for message in (step, result, [batch, OutputBatch()], (False, InvalidRequestError("no", param="n"))):
         assert through(message) == message or repr(through(message)) == repr(message)
     error = through(InvalidRequestError("bad top_k", param="top_k"))
