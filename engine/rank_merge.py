@@ -44,17 +44,23 @@ class RankMerger:
         first = results[0]
         if self.num_ranks == 1:
             return first
-        for rank, r in enumerate(results[1:], start=1):
-            if r.sampled != first.sampled:
-                raise RankDisagreementError(
-                    f"step {first.step_id}: rank {rank} sampled {r.sampled}, rank 0 {first.sampled}"
-                )
         failed_reqs: dict[str, str] = {}
         for r in results:
             failed_reqs.update(r.failed_reqs)
+        sampled = first.sampled
+        if failed_reqs:
+            # A request one rank failed fails on all (the engine ends it and tells every rank),
+            # whatever the others sampled for it: a grammar may miss its compile deadline on one
+            # rank only (worker/grammar.py).
+            sampled = {req_id: t for req_id, t in sampled.items() if req_id not in failed_reqs}
+        for rank, r in enumerate(results[1:], start=1):
+            theirs = r.sampled if not failed_reqs else {q: t for q, t in r.sampled.items() if q not in failed_reqs}
+            if theirs != sampled:
+                raise RankDisagreementError(f"step {first.step_id}: rank {rank} sampled {theirs}, rank 0 {sampled}")
         recving, failed_loads = self._ended_loads(results)
         return dataclasses.replace(
             first,
+            sampled=sampled,
             finished_sending=[req_id for r in results for req_id in r.finished_sending],
             finished_recving=recving,
             failed_loads=failed_loads,

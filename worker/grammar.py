@@ -10,7 +10,12 @@ token is the model's EOS, the one the engine's stop check ends a request on (eng
 grammar ends its output by allowing only EOS once it is complete.
 
 `prefetch` starts compiling when a step that admits the request is submitted, so compiling
-overlaps the step still running; the step that first samples for the request waits for it.
+overlaps the step still running; the step that first samples for the request waits for it, but
+only until `COMPILE_TIMEOUT_S` after compiling started: xgrammar's time grows steeply with some
+schemas (an object of 1000 optional properties takes seconds, of 5000 minutes), and every
+request of the step waits with it. A grammar not compiled by then fails its request as one
+that does not compile; it goes on compiling on its thread, so the same grammar asked for again
+finds it done.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import xgrammar as xgr
@@ -30,6 +37,9 @@ from worker.structured import InvalidGrammarError
 
 # Compiled grammars kept for reuse: a service sees few distinct schemas, each used many times.
 CACHE_SIZE = 64
+COMPILE_TIMEOUT_S = 10.0
+# Grammars compiled at once: one that takes long holds a thread, not every later request.
+COMPILE_THREADS = 4
 # `json_object`: any JSON object. Compact whitespace for it and for schemas: a weak model given
 # free whitespace can fill its whole budget with it and never close the object.
 _ANY_OBJECT = '{"type": "object"}'
@@ -64,10 +74,11 @@ class GrammarCompiler:
     """Compiled grammars by (kind, text), compiled on one thread in the order asked for."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         # The tokenizer is read on the thread too: the first request's step need not wait for it.
         self._compiler = self._pool.submit(self._make_compiler, model_dir, vocab_size, eos_token_id)
-        self._compiled: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        # Each grammar's compile and when it was asked for (its deadline counts from then).
+        self._compiled: OrderedDict[tuple[str, str], tuple[Future[xgr.CompiledGrammar], float]] = OrderedDict()
         self._lock = threading.Lock()  # prefetch runs on the caller's thread, `get` on the stream's
 
     @staticmethod
@@ -77,22 +88,31 @@ class GrammarCompiler:
         # One cache, ours (bounded by count); xgrammar's would keep every grammar ever compiled.
         return xgr.GrammarCompiler(tokenizer_info(model_dir, vocab_size, eos_token_id), cache_enabled=False)
 
-    def prefetch(self, structured: StructuredOutput) -> Future[xgr.CompiledGrammar]:
-        """Start compiling `structured` unless it is compiled or being compiled."""
+    def prefetch(self, structured: StructuredOutput) -> tuple[Future[xgr.CompiledGrammar], float]:
+        """Start compiling `structured` unless it is compiled or being compiled; its compile
+        and when that started."""
         key = (structured.kind, structured.spec)
         with self._lock:
-            future = self._compiled.get(key)
-            if future is None:
-                future = self._compiled[key] = self._pool.submit(self._compile, structured)
+            entry = self._compiled.get(key)
+            if entry is None:
+                entry = self._compiled[key] = (self._pool.submit(self._compile, structured), time.monotonic())
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
-            return future
+            return entry
 
     def get(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
-        """The compiled grammar, waiting for it if need be; raises InvalidGrammarError."""
-        return self.prefetch(structured).result()
+        """The compiled grammar, waiting for it until `COMPILE_TIMEOUT_S` after compiling
+        started; raises InvalidGrammarError."""
+        future, started = self.prefetch(structured)
+        try:
+            return future.result(timeout=max(0.0, started + COMPILE_TIMEOUT_S - time.monotonic()))
+        except FutureTimeout:
+            raise InvalidGrammarError(
+                f"{INVALID_GRAMMAR}{structured.param}: did not compile within {COMPILE_TIMEOUT_S:g} s "
+                "(an object with fewer optional properties, or a simpler regex or grammar, compiles faster)"
+            ) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -50,3 +50,13 @@ def test_failed_requests_are_the_union():
     m = RankMerger(2)
     merged = m.merge([out(0, failed_reqs={"a": "x"}), out(0, failed_reqs={"b": "y"})])
     assert merged.failed_reqs == {"a": "x", "b": "y"}
+
+
+def test_a_request_one_rank_failed_fails_whatever_the_others_sampled():
+    """A grammar can miss its compile deadline on one rank only (worker/grammar.py): that rank
+    fails the request, the other samples it; the request fails and nothing disagrees."""
+    m = RankMerger(2)
+    merged = m.merge([out(0, sampled={"a": 5, "b": 7}), out(0, sampled={"b": 7}, failed_reqs={"a": "late"})])
+    assert merged.sampled == {"b": 7} and merged.failed_reqs == {"a": "late"}
+    with pytest.raises(RankDisagreementError, match="rank 1 sampled"):
+        m.merge([out(1, sampled={"a": 5, "b": 7}), out(1, sampled={"b": 8}, failed_reqs={"a": "late"})])

@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.messages import INVALID_GRAMMAR, NewRequestData, SamplingParams, StructuredOutput
+from worker import grammar
 from worker.grammar import GrammarCompiler
 from worker.grammar_mask import RequestGrammar
 from worker.sampler import Sampler
@@ -160,7 +161,7 @@ def test_a_grammar_that_does_not_compile_is_the_requests_error(spec, reason):
         text = str(e.value)
         assert text.startswith(f"{INVALID_GRAMMAR}{spec.param}: ") and reason in text
         assert ".cc:" not in text  # xgrammar's source location is left out
-        assert compiler.prefetch(spec) is compiler.prefetch(spec)  # compiled (and failed) once
+        assert compiler.prefetch(spec)[0] is compiler.prefetch(spec)[0]  # compiled (and failed) once
     finally:
         compiler.close()
 
@@ -170,5 +171,23 @@ def test_a_model_without_eos_has_no_structured_outputs():
     try:
         with pytest.raises(InvalidGrammarError, match="no EOS token"):
             compiler.get(StructuredOutput("json_object"))
+    finally:
+        compiler.close()
+
+
+def test_a_grammar_past_its_compile_deadline_fails_its_request_and_goes_on_compiling(monkeypatch):
+    """With no time to compile (the deadline at the moment compiling starts), the request
+    fails as one whose grammar does not compile; the compile goes on, and the same grammar
+    asked for again is found compiled."""
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.0)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    spec = StructuredOutput("json_schema", json.dumps(schema), "guided_json")
+    compiler = GrammarCompiler(str(MODEL), WIDTH, EOS)
+    try:
+        with pytest.raises(InvalidGrammarError, match=f"^{INVALID_GRAMMAR}guided_json: did not compile within 0 s"):
+            compiler.get(spec)
+        future, _ = compiler.prefetch(spec)
+        compiled = future.result()
+        assert compiler.get(spec) is compiled
     finally:
         compiler.close()
