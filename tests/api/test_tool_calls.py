@@ -20,6 +20,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from actors.ports import free_port
 from api import Engine, RoundRobinRouter, create_app
 from api.protocol import ChatMessage, Tool
 from api.tokenization import chat_prompt
@@ -27,6 +28,7 @@ from api.tool_calls import HermesReader, ParsedCall, parse_call
 from engine.config import Config
 from engine.local import build_local_engine
 from engine.messages import EngineStats, OutputBatch, RequestOutput
+from tests.api.conftest import deployed
 from tests.api.test_text import byte_model
 from training.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
 
@@ -409,3 +411,34 @@ def test_a_forced_call_and_another_structured_output_are_a_400(served):
         return e.value.body
 
     assert served(fn)["param"] == "tool_choice"
+
+
+def test_forced_calls_over_http_under_pd(ray_cluster, model_dir):
+    """Forced calls through `python -m serve`'s deployment on Ray, 1P1D, over real HTTP: the
+    grammar travels with the request to the engines that sample."""
+    cfg = Config(
+        model=model_dir,
+        served_model_name="tiny",
+        device="cpu",
+        num_kv_blocks=256,
+        max_model_len=1024,
+        worker_threads=1,
+        port=free_port(),
+        prefill=1,
+        decode=1,
+    )
+    kw = {"tools": [UNIT, CLOCK], "max_tokens": 80, "temperature": 0}
+    with deployed(cfg) as dep:
+        client = openai.OpenAI(base_url=dep.url + "/v1", api_key="x", max_retries=0)
+        named = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tool_choice={"type": "function", "function": {"name": "set_unit"}}, **kw
+        )
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tool_choice="required", stream=True, **kw
+        )
+        required = accumulate(list(stream))
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "set_unit" and json.loads(call.function.arguments) in VALID["set_unit"]
+    _, calls, finish = required
+    assert finish == "tool_calls" and calls
+    assert all(json.loads(c["arguments"]) in VALID[c["name"]] for c in calls.values())
