@@ -140,6 +140,22 @@ def qwen3_5_moe_config(**overrides):
     return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def qwen3_5_multimodal_config(**overrides):
+    """Dense Qwen3.5 as released: the text model inside a multimodal config."""
+    from transformers import Qwen3_5Config
+
+    text = _fields(qwen3_5_config(**overrides))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text["hidden_size"])
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def qwen3_5_moe_text_config(**overrides):
+    """Qwen3.5-MoE's text model alone (`Qwen3_5MoeForCausalLM`)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**qwen3_5_moe_config(**overrides).text_config.to_dict())
+
+
 def nemotron_h_moe_config(**overrides):
     """Mamba2, attention, MLP and MoE layers; the experts in a latent space, routed over two
     groups of four (one group chosen), renormalised and scaled."""
@@ -161,6 +177,8 @@ def nemotron_h_moe_config(**overrides):
 
 # MoE kinds, as the released directories are: sharded safetensors with an index.
 MOE_KINDS = ("qwen3_moe", "qwen3_5_moe", "nemotron_h_moe")
+# The other released classes, also saved sharded.
+RELEASED_KINDS = ("qwen3_5_multimodal", "qwen3_5_moe_text")
 SHARD_SIZE = "200KB"
 
 
@@ -193,6 +211,8 @@ def save_hf_model(kind: str, out: Path, seed: int = 0, **overrides):
     from transformers import (
         NemotronHForCausalLM,
         Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForCausalLM,
         Qwen3_5MoeForConditionalGeneration,
         Qwen3ForCausalLM,
         Qwen3MoeForCausalLM,
@@ -204,6 +224,12 @@ def save_hf_model(kind: str, out: Path, seed: int = 0, **overrides):
         spread_linear_attention_decay(model)
     elif kind == "qwen3_5_moe":
         model = Qwen3_5MoeForConditionalGeneration(qwen3_5_moe_config(**overrides))
+        spread_linear_attention_decay(model)
+    elif kind == "qwen3_5_multimodal":
+        model = Qwen3_5ForConditionalGeneration(qwen3_5_multimodal_config(**overrides))
+        spread_linear_attention_decay(model)
+    elif kind == "qwen3_5_moe_text":
+        model = Qwen3_5MoeForCausalLM(qwen3_5_moe_text_config(**overrides))
         spread_linear_attention_decay(model)
     elif kind in ("nemotron_h", "nemotron_h_moe"):
         cfg = nemotron_h_config(**overrides) if kind == "nemotron_h" else nemotron_h_moe_config(**overrides)
@@ -221,7 +247,7 @@ def save_hf_model(kind: str, out: Path, seed: int = 0, **overrides):
         model = Qwen3ForCausalLM(qwen3_config(**overrides))
     _spread_routers(model)
     model.eval()
-    if kind in MOE_KINDS:
+    if kind in MOE_KINDS or kind in RELEASED_KINDS:
         model.save_pretrained(out, max_shard_size=SHARD_SIZE)
     else:
         model.save_pretrained(out)

@@ -2,9 +2,10 @@
 
 tests/models/test_models.py checks every MoE kind against transformers (logits, greedy,
 chunked prefill, flat batches) and tests/models/test_tensor_parallel.py TP=2 against TP=1;
-these check the grouped expert run against the per-token sum it stands for, both on-disk
-expert layouts, the released multimodal directory's skipped tensors, and the configs the
-engine refuses.
+these check the two other released classes (dense Qwen3.5 in its multimodal wrapper,
+Qwen3.5-MoE's text model alone), the grouped expert run against the per-token sum it stands
+for, both on-disk expert layouts, the released multimodal directory's skipped tensors, and
+the configs the engine refuses.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from models.loader import load_model
 from models.mlp import GatedMLP, Relu2MLP
 from models.model_files import ModelLoadError
 from models.moe import run_experts
+from models.reference import greedy_generate
 from models.tensor_parallel import TPGroup
-from tests.models.hf_fixtures import save_hf_model
+from tests.models.hf_fixtures import RELEASED_KINDS, save_hf_model
 from tests.models.test_loader_errors import weight_files
 
 
@@ -36,6 +38,23 @@ def saved(tmp_path_factory):
         path = tmp_path_factory.mktemp(kind)
         out[kind] = (path, save_hf_model(kind, path))
     return out
+
+
+@pytest.mark.parametrize("kind", RELEASED_KINDS)
+def test_other_released_classes_match_transformers(tmp_path, kind):
+    """Logits within 1e-4, greedy continuations equal to `generate`, chunked prefill equal to
+    one shot."""
+    ref = save_hf_model(kind, tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32).model
+    prompts = [torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 23)]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        assert (ours.forward_dense(ids) - ref(ids).logits).abs().max().item() < 1e-4
+        for p in prompts:
+            want = ref.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            assert greedy_generate(ours, [p], 16, None, block_size=4)[0] == want[0, len(p) :].tolist()
+    one_shot = greedy_generate(ours, prompts, 8, None, block_size=4)
+    assert greedy_generate(ours, prompts, 8, None, block_size=4, prefill_chunk=9) == one_shot
 
 
 @pytest.mark.parametrize("gated", [True, False])
