@@ -5,14 +5,19 @@ colocated ones, and both transformers'."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import httpx
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from actors.client import EngineCalls, EngineClient
 from actors.ports import free_port
 from engine.config import Config
+from engine.local import build_local_engine
 from engine.messages import SamplingParams
 from tests.api.conftest import deployed
 from tests.worker.test_logprobs import hf_logprobs, penalized_reference
@@ -155,6 +160,57 @@ def test_greedy_penalties_equal_the_reference(client, hf):
     assert r.choices[0].text.split() == [f"t{i}" for i in want]
     plain = client.completions.create(model=MODEL, prompt=IDS, max_tokens=10, extra_body={"ignore_eos": True}, **GREEDY)
     assert plain.choices[0].text != r.choices[0].text  # the penalties changed the output
+
+
+def in_process(cfg: Config, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    """The same request on an in-process colocated engine built from the same config."""
+
+    async def main():
+        core, worker = build_local_engine(dataclasses.replace(cfg, prefill=0))
+        client = EngineClient(EngineCalls.local(core))
+        ids = [t async for out in client.generate(prompt, sampling) for t in out.new_token_ids]
+        await client.close()
+        await core.close()
+        worker.close()
+        return ids
+
+    return asyncio.run(main())
+
+
+def test_seeded_sampling_with_every_knob_equals_the_in_process_engine(server, client):
+    """Sampled, seeded: the draw depends only on the request's seed and its own adjusted logits,
+    so the served tokens (through a prefill and a decode engine under PD) are the colocated ones."""
+    knobs = {"repetition_penalty": 1.3, "min_p": 0.02, "min_tokens": 5, "stop_token_ids": [11], "ignore_eos": True}
+    r = client.completions.create(
+        model=MODEL,
+        prompt=IDS,
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        presence_penalty=0.6,
+        frequency_penalty=0.3,
+        logit_bias={"40": 3.0, "41": -100},
+        extra_body=knobs,
+    )
+    sampling = SamplingParams(
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        ignore_eos=True,
+        presence_penalty=0.6,
+        frequency_penalty=0.3,
+        repetition_penalty=1.3,
+        min_p=0.02,
+        min_tokens=5,
+        stop_token_ids=(11,),
+        logit_bias=((40, 3.0), (41, -100.0)),
+    )
+    want = in_process(server.cfg, IDS, sampling)
+    shown = [t for t in want if t != 11]  # a stop token id shows no text
+    assert r.choices[0].text.split() == [f"t{t}" for t in shown]
+    assert r.usage.completion_tokens == len(want) >= 5 and 41 not in want
 
 
 def test_logit_bias_stop_token_ids_and_min_tokens(client):
