@@ -2,10 +2,10 @@
 renders them (transformers is the oracle), the Hermes `<tool_call>` parser on whole and streamed
 text, and the chat route's tool calls, whole and streamed, read by the `openai` package.
 
-The shipped models are too small to call a tool on their own, so the tests of `tool_choice:
-"auto"` run on an engine that replays a recorded output (`ReplayCore`): the detokenizer, stop
-handling, parser and formatter on the way out are the real ones. "required" and a named
-function hold the output to a grammar, so those tests run the shipped model itself.
+The shipped model is too small to call a tool on its own. For `tool_choice: "auto"` it is made
+to write the calls' text by a `guided_regex` (a structured output that "auto" leaves free), so
+the real engine, detokenizer, stop handling, parser and formatter carry them; "required" and a
+named function hold its output to a grammar themselves.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from api.tokenization import chat_prompt
 from api.tool_calls import HermesReader, ParsedCall, parse_call
 from engine.config import Config
 from engine.local import build_local_engine
-from engine.messages import EngineStats, OutputBatch, RequestOutput
 from tests.api.conftest import deployed
 from tests.api.test_text import byte_model
-from training.build_tokenizer import EOS_TOKEN_ID, build_tokenizer
+from training.build_tokenizer import build_tokenizer
 
 TEMPLATE = (Path(__file__).parent / "templates" / "hermes_tools.jinja").read_text()
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-hybrid"
@@ -195,36 +194,7 @@ def test_tools_and_history_render_as_transformers_renders_them(messages, tools, 
         assert json.dumps(WEATHER, ensure_ascii=False) in expected  # unescaped, keys in the client's order
 
 
-# -- the chat route -------------------------------------------------------------------------
-
-
-class ReplayCore:
-    """An engine that answers every request with the tokens of `text`, one token per step."""
-
-    def __init__(self, text: str) -> None:
-        self.ids = byte_model().encode(text, special=False) + [EOS_TOKEN_ID]
-        self.pending: list[RequestOutput] = []
-
-    def add_request(self, req_id, ids, sampling, **kw):
-        n = len(self.ids)
-        self.pending += [
-            RequestOutput(req_id, [t], None, "stop" if i == n - 1 else None, len(ids), i + 1)
-            for i, t in enumerate(self.ids)
-        ]
-
-    def abort(self, req_id):
-        self.pending = [o for o in self.pending if o.req_id != req_id]
-
-    async def get_outputs(self, timeout=None):
-        await asyncio.sleep(0)
-        if not self.pending:
-            await asyncio.sleep(timeout or 0.01)
-            return []
-        out, self.pending = self.pending[0], self.pending[1:]
-        return [OutputBatch(others=[out])]
-
-    def stats(self):
-        return EngineStats(0, 0, 8, 8, 0, 0)
+# -- the chat route: the shipped model, its text held to a regex so that it writes calls ------
 
 
 @pytest.fixture(scope="module")
@@ -235,21 +205,27 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def chat(model_dir: str, text: str, fn):
-    """`fn(openai_client)` against the app over an engine that replays `text`."""
-    cfg = Config(model=model_dir, served_model_name="tiny", device="cpu", max_model_len=2048, worker_threads=1)
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """`served(fn)` runs `fn(openai_client)` against the app over a real engine on the shipped
+    model (with the Hermes template), kept for the module."""
+    cfg = Config(model=model_dir, served_model_name="tiny", device="cpu", num_kv_blocks=256, max_model_len=1024)
+    loop = asyncio.new_event_loop()
+    core, worker = build_local_engine(cfg)
+    router = RoundRobinRouter([Engine.local("e0", core)])
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, router)), base_url="http://raypd/v1")
+    client = openai.AsyncOpenAI(base_url="http://raypd/v1", api_key="x", http_client=http, max_retries=0)
+    yield lambda fn: loop.run_until_complete(fn(client))
+    loop.run_until_complete(http.aclose())
+    loop.run_until_complete(router.close())
+    loop.run_until_complete(core.close())
+    worker.close()
+    loop.close()
 
-    async def main():
-        router = RoundRobinRouter([Engine.local("e0", ReplayCore(text))])
-        app = create_app(cfg, router)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://raypd/v1")
-        try:
-            return await fn(openai.AsyncOpenAI(base_url="http://raypd/v1", api_key="x", http_client=http))
-        finally:
-            await http.aclose()
-            await router.close()
 
-    return asyncio.run(main())
+def _regex(text: str) -> str:
+    """A regex that only `text` matches."""
+    return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else ("\\n" if c == "\n" else c) for c in text)
 
 
 MESSAGES = [{"role": "user", "content": "Weather in Zürich, and the time?"}]
@@ -280,8 +256,15 @@ def accumulate(chunks) -> tuple[str, dict[int, dict], str | None]:
     return content, calls, finish
 
 
-def test_tool_calls_whole_and_streamed(model_dir):
-    whole, chunks = chat(model_dir, TWO_CALLS, lambda c: whole_and_streamed(c, tools=[WEATHER, TIME]))
+def written(served, text: str, **kw):
+    """Whole and streamed replies of the shipped model made to write `text` (a guided_regex,
+    which tool_choice "auto" leaves free to use), read as tool calls or content."""
+    body = {"guided_regex": _regex(text)}
+    return served(lambda c: whole_and_streamed(c, max_tokens=len(text.encode()) + 1, extra_body=body, **kw))
+
+
+def test_tool_calls_whole_and_streamed(served):
+    whole, chunks = written(served, TWO_CALLS, tools=[WEATHER, TIME])
     message = whole.choices[0].message
     assert message.content == "Let me look." and whole.choices[0].finish_reason == "tool_calls"
     got = [(c.type, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
@@ -294,16 +277,16 @@ def test_tool_calls_whole_and_streamed(model_dir):
     ]
 
 
-def test_without_tools_or_with_tool_choice_none_the_text_is_content(model_dir):
+def test_without_tools_or_with_tool_choice_none_the_text_is_content(served):
     for kw in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
-        whole, chunks = chat(model_dir, TWO_CALLS, lambda c, kw=kw: whole_and_streamed(c, **kw))
+        whole, chunks = written(served, TWO_CALLS, **kw)
         assert whole.choices[0].message.content == TWO_CALLS and whole.choices[0].message.tool_calls is None
         assert accumulate(chunks) == (TWO_CALLS, {}, "stop")
 
 
-def test_a_malformed_call_stays_content(model_dir):
+def test_a_malformed_call_stays_content(served):
     text = 'Hm. <tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
-    whole, chunks = chat(model_dir, text, lambda c: whole_and_streamed(c, tools=[WEATHER]))
+    whole, chunks = written(served, text, tools=[WEATHER])
     assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "stop"
     assert accumulate(chunks) == (text, {}, "stop")
 
@@ -327,24 +310,6 @@ CLOCK = {
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
 }
 VALID = {"set_unit": [{"unit": "c"}, {"unit": "f"}], "get_time": [{}]}
-
-
-@pytest.fixture(scope="module")
-def served(model_dir):
-    """`served(fn)` runs `fn(openai_client)` against the app over a real engine on the shipped
-    model (with the Hermes template), kept for the module."""
-    cfg = Config(model=model_dir, served_model_name="tiny", device="cpu", num_kv_blocks=256, max_model_len=1024)
-    loop = asyncio.new_event_loop()
-    core, worker = build_local_engine(cfg)
-    router = RoundRobinRouter([Engine.local("e0", core)])
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, router)), base_url="http://raypd/v1")
-    client = openai.AsyncOpenAI(base_url="http://raypd/v1", api_key="x", http_client=http, max_retries=0)
-    yield lambda fn: loop.run_until_complete(fn(client))
-    loop.run_until_complete(http.aclose())
-    loop.run_until_complete(router.close())
-    loop.run_until_complete(core.close())
-    worker.close()
-    loop.close()
 
 
 def forced(served, **kw):
