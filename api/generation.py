@@ -76,6 +76,7 @@ class ChoiceStream:
         self._timer = RequestTimer(metrics, arrival)
         self._last: RequestOutput | None = None
         self._prompt_shown = False
+        self._num_outputs = 0
 
     async def first(self) -> None:
         """Wait for the engine to accept the request and produce its first output. A grammar
@@ -113,8 +114,14 @@ class ChoiceStream:
         self._timer.tokens(len(out.new_token_ids))
         final = out.finish_reason is not None
         choice = self._choice
-        shown = self._detok.push(self._shown_ids(out, final), final)
-        text = self._stop.push(shown, final)
+        ids = self._shown_ids(out, final)
+        text = ""
+        before_min = choice.sampling.min_tokens - self._num_outputs  # of these, outputs before min_tokens
+        self._num_outputs += len(out.new_token_ids)
+        if before_min > 0 and choice.sampling.stop:
+            head, ids = ids[:before_min], ids[before_min:]
+            text = self._stop.pass_through(self._detok.push(head, final and not ids))
+        text += self._stop.push(self._detok.push(ids, final), final)
         # A stop string found here ends the choice even if the engine has not seen it yet.
         finish = "stop" if self._stop.stopped else out.finish_reason
         prompt = None

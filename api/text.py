@@ -164,6 +164,13 @@ class StopBuffer:
         self.sent = 0
         self.stopped = False  # a stop string was found: the text ends before it
 
+    def pass_through(self, new: str) -> str:
+        """Text no stop string may end in, shown at once: the outputs before `min_tokens`, in
+        which vLLM looks for no stop string either."""
+        self.text += new
+        self.sent = len(self.text)
+        return new
+
     def push(self, new: str, final: bool) -> str:
         self.text += new
         if self.stop:

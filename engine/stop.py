@@ -44,9 +44,14 @@ class StopChecker:
     def _hit_stop_string(self, req: Request) -> bool:
         if self.tokenizer is None:
             return False
-        # Only the tail can contain a stop string that the newest token completed.
+        # Only the tail can contain a stop string that the newest token completed; as in vLLM,
+        # none counts in the text of the first `min_tokens` outputs.
+        outputs = req.output_token_ids
         longest = max(len(s) for s in req.sampling.stop)
-        tail = self.tokenizer.decode(req.output_token_ids[-(longest + 8) :], skip_special_tokens=False)
+        start = max(len(outputs) - (longest + 8), req.sampling.min_tokens)
+        if start >= len(outputs):
+            return False
+        tail = self.tokenizer.decode(outputs[start:], skip_special_tokens=False)
         return any(s in tail for s in req.sampling.stop)
 
 

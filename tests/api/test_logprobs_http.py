@@ -235,6 +235,22 @@ def test_logit_bias_stop_token_ids_and_min_tokens(client):
     assert "t7" not in later.choices[0].text.split()
 
 
+def test_min_tokens_holds_back_stop_strings_too(client):
+    """As vLLM: a stop string counts only in the text after the first `min_tokens` outputs."""
+    kw = {"model": MODEL, "prompt": TEXT, "max_tokens": 8, "logit_bias": {"7": 100}, "stop": "t7", **GREEDY}
+    early = client.completions.create(**kw)
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1
+    for stream in (False, True):
+        later = client.completions.create(stream=stream, extra_body={"min_tokens": 3}, **kw)
+        if stream:
+            chunks = list(later)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = later.choices[0].text, later.choices[0].finish_reason
+            assert later.usage.completion_tokens == 4  # the engine stopped on the fourth t7
+        assert (text.split(), finish) == (["t7"] * 3, "stop")
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
