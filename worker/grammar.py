@@ -70,8 +70,13 @@ def tokenizer_info(model_dir: str, vocab_size: int, eos_token_id: int) -> xgr.To
     )
 
 
+class _Rejected(ValueError):
+    """xgrammar refused a grammar; the text says why. Cached with the grammar, so the error a
+    request gets is made when it asks, naming its own field."""
+
+
 class GrammarCompiler:
-    """Compiled grammars by (kind, text), compiled on one thread in the order asked for."""
+    """Compiled grammars by (kind, text), compiled on a few threads in the order asked for."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
@@ -84,7 +89,7 @@ class GrammarCompiler:
     @staticmethod
     def _make_compiler(model_dir: str, vocab_size: int, eos_token_id: int | None) -> xgr.GrammarCompiler:
         if eos_token_id is None:
-            raise InvalidGrammarError(f"{INVALID_GRAMMAR}the model has no EOS token to end a structured output with")
+            raise _Rejected("the model has no EOS token to end a structured output with")
         # One cache, ours (bounded by count); xgrammar's would keep every grammar ever compiled.
         return xgr.GrammarCompiler(tokenizer_info(model_dir, vocab_size, eos_token_id), cache_enabled=False)
 
@@ -109,10 +114,13 @@ class GrammarCompiler:
         try:
             return future.result(timeout=max(0.0, started + COMPILE_TIMEOUT_S - time.monotonic()))
         except FutureTimeout:
-            raise InvalidGrammarError(
-                f"{INVALID_GRAMMAR}{structured.param}: did not compile within {COMPILE_TIMEOUT_S:g} s "
-                "(an object with fewer optional properties, or a simpler regex or grammar, compiles faster)"
-            ) from None
+            why = (
+                f"did not compile within {COMPILE_TIMEOUT_S:g} s (an object with fewer optional "
+                "properties, or a simpler regex or grammar, compiles faster)"
+            )
+        except _Rejected as e:
+            why = str(e)
+        raise InvalidGrammarError(f"{INVALID_GRAMMAR}{structured.param}: {why}")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -131,8 +139,8 @@ class GrammarCompiler:
             if kind == "grammar":
                 return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError) as e:
-            raise InvalidGrammarError(f"{INVALID_GRAMMAR}{structured.param}: {_reason(e)}") from None
-        raise InvalidGrammarError(f"{INVALID_GRAMMAR}{structured.param}: unknown kind {kind!r}")
+            raise _Rejected(_reason(e)) from None
+        raise _Rejected(f"unknown kind {kind!r}")
 
 
 def _reason(error: Exception) -> str:

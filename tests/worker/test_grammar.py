@@ -3,6 +3,7 @@ the batch mask in front of the sampler, and a matcher rebuilt by replaying a req
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -162,6 +163,8 @@ def test_a_grammar_that_does_not_compile_is_the_requests_error(spec, reason):
         assert text.startswith(f"{INVALID_GRAMMAR}{spec.param}: ") and reason in text
         assert ".cc:" not in text  # xgrammar's source location is left out
         assert compiler.prefetch(spec)[0] is compiler.prefetch(spec)[0]  # compiled (and failed) once
+        with pytest.raises(InvalidGrammarError, match=f"^{INVALID_GRAMMAR}other_field: "):
+            compiler.get(dataclasses.replace(spec, param="other_field"))  # each request's error names its field
     finally:
         compiler.close()
 
