@@ -62,7 +62,7 @@ class StructuredOutputsParams(_Strict):
     regex: Spec | None = None
     choice: Choices | None = None
     grammar: Spec | None = None  # xgrammar's EBNF
-    json_object: Literal[True] | None = None
+    json_object: bool | None = None  # false: not asked for
 
 
 class StructuredFields(_Strict):
