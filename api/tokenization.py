@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from api.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, ChatMessage, Name, Text, Tool, _Request
+from api.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS, ChatMessage, Name, Text, Tool, _Request
 from api.text import TextModel
 from engine.messages import InvalidRequestError
 
@@ -48,7 +48,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # default: true for a prompt; a chat's template places them
     add_generation_prompt: bool | None = None  # chat only; default true
     continue_final_message: bool | None = None  # chat only; default false
-    tools: Annotated[list[Tool], Field(max_length=MAX_MESSAGES)] | None = None  # chat only
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # chat only
     return_token_strs: bool | None = False
 
     @field_validator("messages")
