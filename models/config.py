@@ -358,9 +358,15 @@ def _check_moe(spec: MoESpec) -> None:
 
 
 def _rope(d: dict[str, Any]) -> dict[str, Any]:
+    """`rope_parameters`, or transformers 4's `rope_scaling` (released Qwen3 configs still
+    write it): a scaled RoPE (YaRN, linear, ...) is refused, not run unscaled."""
     rope = d.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}; only 'default' is implemented")
+    scaling = d.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    if kind != "default":
+        raise ConfigError(f"unsupported rope_scaling {kind!r}; only unscaled RoPE is implemented")
     return rope
 
 

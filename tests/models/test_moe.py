@@ -142,6 +142,7 @@ def _config(saved, kind: str) -> dict:
         ("qwen3_5_moe", "hidden_act", "gelu", "hidden_act"),
         ("qwen3_5_moe", "moe_intermediate_size", None, "moe_intermediate_size"),
         ("qwen3_5_moe", "text_config", "text", "text_config"),
+        ("qwen3_5_moe", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
     ],
 )
 def test_unservable_moe_config_is_named(saved, kind, field, value, named):
