@@ -37,6 +37,18 @@ def test_progress_turns_sent_tokens_into_prompt_and_keeps_the_client_counts():
     assert seeded.resume()[1].random_offset == 2
 
 
+def test_a_resumed_request_keeps_its_penalties_history_and_min_tokens():
+    sampling = SamplingParams(max_tokens=10, min_tokens=4, presence_penalty=1.0, prompt_logprobs=2)
+    p = Progress(PROMPT, sampling)
+    p.account(RequestOutput("r", [7, 8, 9], None, None, 6, 3), "r")
+    prompt, resumed = p.resume()
+    assert prompt == [*PROMPT, 7, 8, 9]
+    assert (resumed.max_tokens, resumed.min_tokens, resumed.num_prior_outputs) == (7, 1, 3)
+    assert resumed.presence_penalty == 1.0 and resumed.prompt_logprobs is None  # sent with the first output
+    p.account(RequestOutput("r-r1", [5, 6], None, None, 9, 2), "r")
+    assert p.resume()[1].num_prior_outputs == 5 and p.resume()[1].min_tokens == 0
+
+
 def _tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
@@ -72,8 +84,21 @@ def cut_after_three(
     [
         SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=21, ignore_eos=True),
+        SamplingParams(
+            max_tokens=48,
+            temperature=0.9,
+            seed=21,
+            ignore_eos=True,
+            presence_penalty=0.8,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            min_p=0.05,
+            logprobs=True,
+            top_logprobs=2,
+            prompt_logprobs=1,
+        ),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_exact(checkpoint, sampling):
     whole, cut, resumed = cut_after_three(config(checkpoint), PROMPT, sampling)
@@ -81,6 +106,14 @@ def test_a_colocated_engine_failing_mid_request_is_resumed_on_the_other_token_ex
     assert _tokens(cut) == _tokens(whole) and len(_tokens(cut)) == 48
     assert cut[-1].finish_reason == "length" and cut[-1].num_output_tokens == 48
     assert cut[-1].num_prompt_tokens == len(PROMPT) and {o.req_id for o in cut} == {"cut"}
+    if sampling.logprobs:  # the same logprobs and alternatives across the break; the prompt's once
+        assert [lp for o in cut for lp in o.logprobs or ()] == pytest.approx(
+            [lp for o in whole for lp in o.logprobs or ()], abs=1e-5
+        )
+        assert [[t for t, _ in top] for o in cut for top in o.top_logprobs or ()] == [
+            [t for t, _ in top] for o in whole for top in o.top_logprobs or ()
+        ]
+        assert [o.prompt_logprobs for o in cut if o.prompt_logprobs] == [whole[0].prompt_logprobs]
 
 
 def test_without_migration_the_lost_engine_is_the_clients_error(checkpoint):
