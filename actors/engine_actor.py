@@ -23,6 +23,7 @@ from actors.worker_actor import RemoteWorker
 from engine.build import Role, check_tp, disagg_config, make_engine, worker_config
 from engine.config import Config
 from engine.messages import EngineStats, OutputBatch, SamplingParams
+from engine.summary import EngineSummary
 from kv.nixl.peers import PeerInfo
 from kv.nixl.transfer_params import KVTransferParams
 
@@ -147,6 +148,11 @@ class EngineActor:
         stats.extra["kv_transfer"] = [t for t in transfers if t is not None]
         stats.extra["ranks_held"] = await asyncio.gather(*(w.held.remote() for w in self.workers))
         return stats
+
+    def routing_summary(self, since_version: int | None = None) -> EngineSummary:
+        """The engine's load and cache digest for the routers (engine/summary.py): no worker
+        is asked, so the routers' periodic polls stay cheap."""
+        return self.core.routing_summary(since_version)
 
     async def wait_idle(self) -> EngineStats:
         await self.core.wait_idle()

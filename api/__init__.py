@@ -2,6 +2,6 @@
 (`RoundRobinRouter` over colocated `Engine`s, `PDRouter` over prefill and decode ones) decides which engine serves a request."""
 
 from api.app import create_app
-from api.router import Engine, PDRouter, RoundRobinRouter, Router
+from api.router import ColocatedRouter, Engine, PDRouter, RoundRobinRouter, Router, make_router
 
-__all__ = ["Engine", "PDRouter", "RoundRobinRouter", "Router", "create_app"]
+__all__ = ["ColocatedRouter", "Engine", "PDRouter", "RoundRobinRouter", "Router", "create_app", "make_router"]

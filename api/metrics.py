@@ -34,6 +34,7 @@ class _EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: dict[str, EngineStats] = {}
         self.resumed = 0  # the router's count at the scrape
+        self.decisions: dict[tuple[str, str], int] = {}  # PD: (decision, reason) -> requests
 
     def collect(self) -> Iterator[Metric]:
         families = (
@@ -63,6 +64,18 @@ class _EngineCollector(Collector):
             ),
             (
                 CounterMetricFamily,
+                "raypd_prefix_cache_queries",
+                "Prompt tokens looked up in the engine's prefix cache.",
+                lambda s: s.extra.get("prefix_cache_queries", 0),
+            ),
+            (
+                CounterMetricFamily,
+                "raypd_prefix_cache_hits",
+                "Prompt tokens found in the engine's prefix cache (not computed).",
+                lambda s: s.extra.get("prefix_cache_hits", 0),
+            ),
+            (
+                CounterMetricFamily,
                 "raypd_kv_blocks_zeroed",
                 "Attention blocks zeroed on allocation.",
                 lambda s: s.blocks_zeroed,
@@ -82,6 +95,15 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "raypd_requests_resumed", "Engine requests resumed on another engine after theirs was lost.", self.resumed
         )
+        decisions = CounterMetricFamily(
+            "raypd_pd_decisions",
+            "PD requests by where their prompt was computed: on a prefill engine (remote) or on "
+            "their decode engine (local), and why (api/routing/disagg.py).",
+            labels=["decision", "reason"],
+        )
+        for (decision, reason), n in sorted(self.decisions.items()):
+            decisions.add_metric([decision, reason], n)
+        yield decisions
         yield from self._kv_transfers()
         yield from self._phases()
 
@@ -174,6 +196,7 @@ class Metrics:
     async def render(self, router: Router) -> bytes:
         self._engines.snapshot = await router.stats(STATS_TIMEOUT_S)
         self._engines.resumed = router.num_resumed
+        self._engines.decisions = dict(router.decisions)
         return generate_latest(self.registry)
 
 

@@ -191,6 +191,21 @@ class TextPart(_Request):
     text: Text
 
 
+class MediaPart(BaseModel):
+    """An image, audio, video or file part. raypd serves a checkpoint's language model only (a
+    multimodal directory's vision tower is not loaded), so such a part is refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "video_url", "file"]
+
+    @model_validator(mode="after")
+    def _refuse(self) -> MediaPart:
+        raise ValueError(f"{self.type} content is not supported: this server serves text only")
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 # -- tools: function definitions for the template, calls in the history ---------------
 
 
@@ -229,7 +244,7 @@ class MessageToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_MESSAGES)] | None = None  # assistant only
     tool_call_id: Name | None = None  # tool only: the call this message answers
@@ -247,7 +262,7 @@ class ChatMessage(_Request):
         object, as vLLM does, since templates write them with `tojson`."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -23,6 +23,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 FailurePolicy = Literal["recompute", "fail"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+RouterPolicy = Literal["round_robin", "least_loaded", "cache_aware"]
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
 MiB = 1 << 20
@@ -82,6 +83,17 @@ class Config:
     )
     async_scheduling: bool = _f(True, "schedule step N+1 while step N runs")
     enable_prefix_caching: bool = _f(True, "reuse the KV blocks of shared prompt prefixes")
+    router: RouterPolicy = _f(
+        "cache_aware",
+        "how the API picks an engine of each role: in turn, by load, or by cached prefix against load "
+        "(docs/design.md §22)",
+    )
+    pd_min_prefill_tokens: int = _f(
+        0,
+        "PD: a prompt with fewer tokens than this not cached on its decode engine is computed there, "
+        "with no KV transfer (so is any prompt while every prefill engine is saturated); 0 = always transfer",
+        lo=0,
+    )
     seed: int = _f(0, "random seed for sampling", lo=0)
     host: str = _f("127.0.0.1", "address the API server binds")
     port: int = _f(8000, "port the API server listens on", lo=1, hi=65535)
@@ -97,6 +109,30 @@ class Config:
         lo=0,
     )
     decode: int = _f(1, "number of decode (or colocated) engines", lo=1)
+    min_prefill: int | None = _f(None, "fewest prefill engines the autoscaler keeps; default: --prefill", lo=1)
+    max_prefill: int | None = _f(None, "most prefill engines the autoscaler starts; default: --prefill", lo=1)
+    min_decode: int | None = _f(
+        None, "fewest decode (or colocated) engines the autoscaler keeps; default: --decode", lo=1
+    )
+    max_decode: int | None = _f(
+        None, "most decode (or colocated) engines the autoscaler starts; default: --decode", lo=1
+    )
+    scale_prefill_waiting: int = _f(4, "autoscaling target: requests waiting per prefill engine", lo=1)
+    scale_prefill_ttft_ms: int = _f(
+        2000, "autoscaling target: a prefill engine's mean time to first token (queue and prefill), ms", lo=1
+    )
+    scale_decode_itl_ms: int = _f(200, "autoscaling target: a busy decode engine's mean time per step, ms", lo=1)
+    scale_decode_kv_percent: int = _f(
+        80, "autoscaling target: percent of a decode engine's KV blocks in use", lo=1, hi=100
+    )
+    scale_up_delay_s: int = _f(10, "seconds a role stays above a target before an engine is added", lo=0)
+    scale_down_delay_s: int = _f(
+        60, "seconds a role stays below half of every target before an engine is drained", lo=0
+    )
+    drain_timeout_s: int = _f(
+        120, "seconds a drained engine's requests may take to finish; the rest resume on other engines", lo=1
+    )
+    api_replicas: int = _f(1, "API ingress replicas (Ray Serve); every one routes to every engine", lo=1)
     tensor_parallel_size: int = _f(1, "worker actors (tensor-parallel ranks) per engine", lo=1, hi=MAX_TP)
     prefill_tp: int | None = _f(None, "tensor-parallel ranks per prefill engine; default: -tp", lo=1, hi=MAX_TP)
     decode_tp: int | None = _f(None, "tensor-parallel ranks per decode engine; default: -tp", lo=1, hi=MAX_TP)
@@ -154,6 +190,7 @@ class Config:
         if self.prefill == 0 and (self.prefill_tp is not None or self.decode_tp is not None):
             # Sizing prefill and decode engines asks for them: one prefill engine unless told more.
             object.__setattr__(self, "prefill", 1)
+        self._check_scaling()
         if self.worker_cpus:
             try:
                 cpus = self.worker_cpu_list
@@ -162,6 +199,39 @@ class Config:
                     rank_cpus(cpus, 0, self.tp_size(role))
             except ValueError as e:
                 raise ConfigError(f"invalid worker_cpus {self.worker_cpus!r}: {e}", "worker_cpus") from None
+
+    def _check_scaling(self) -> None:
+        if self.colocated:
+            for name in ("min_prefill", "max_prefill"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"invalid {name} {getattr(self, name)}: colocated engines (--prefill 0) have no prefill side",
+                        name,
+                    )
+        for role in ("prefill", "decode"):
+            lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+            count = getattr(self, role)
+            if lo is not None and lo > count:
+                raise ConfigError(
+                    f"invalid min_{role} {lo}: more than the {count} {role} engines started (--{role})", f"min_{role}"
+                )
+            if hi is not None and hi < count:
+                raise ConfigError(
+                    f"invalid max_{role} {hi}: fewer than the {count} {role} engines started (--{role})", f"max_{role}"
+                )
+
+    def engine_range(self, role: str) -> tuple[int, int]:
+        """The fewest and most engines of `role` ("prefill", or "decode" for colocated ones too)
+        the autoscaler may run; equal to the started count when it is not told a range."""
+        count = getattr(self, role)
+        lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+        return (count if lo is None else lo, count if hi is None else hi)
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether any role's engine count may change."""
+        roles = ("decode",) if self.colocated else ("prefill", "decode")
+        return any(self.engine_range(r)[0] != self.engine_range(r)[1] for r in roles)
 
     @property
     def model_name(self) -> str:
@@ -190,10 +260,10 @@ class Config:
 
     @property
     def inflight_limit(self) -> int:
-        """`max_inflight`, or what the decode (or colocated) engines can hold running and waiting."""
+        """`max_inflight`, or what the most decode (or colocated) engines can hold running and waiting."""
         if self.max_inflight is not None:
             return self.max_inflight
-        return self.decode * (self.max_num_seqs + self.max_waiting)
+        return self.engine_range("decode")[1] * (self.max_num_seqs + self.max_waiting)
 
     def describe(self) -> str:
         """Every field as `name = value`, one a line, secrets masked: printed at start-up."""

@@ -32,6 +32,7 @@ from engine.phases import RequestPhases
 from engine.rank_merge import RankMerger
 from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.summary import EngineSummary, summarize
 from kv.nixl.transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,13 @@ class EngineCore:
                 "phases": self.phases.snapshot(),
             },
         )
+
+    def routing_summary(self, since_version: int | None = None) -> EngineSummary:
+        """The load and cache digest the routers choose by (engine/summary.py); raises like
+        `stats` once the loop has failed, so a router stops choosing a dead engine."""
+        if self._failure is not None:
+            raise EngineFailedError(f"engine failed: {self._failure!r}")
+        return summarize(self.scheduler, since_version)
 
     async def wait_idle(self) -> None:
         """Until no request is left and every fenced block is back in the pool."""

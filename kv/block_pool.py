@@ -45,6 +45,9 @@ class BlockPool:
         # freed recently survives longest (LRU). Keyed by id for O(1) removal on a hit.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
+        # Bumped whenever a hash becomes findable or stops being so: an engine's routing
+        # summary (engine/summary.py) resends its digest only when this moved.
+        self.cache_version = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +101,11 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self.cache_version += 1
+
+    def cached_hashes(self) -> Iterable[bytes]:
+        """The keys of every findable block (a layer group's suffix included, kv/block_hash.py)."""
+        return self._cached.keys()
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         if not self.enable_caching:
@@ -112,6 +120,7 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.cache_version += 1
         return True
 
     def uncache(self, blocks: Iterable[KVBlock]) -> None:
@@ -124,6 +133,7 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            self.cache_version += 1
         block.block_hash = None
 
     def check_integrity(self) -> None:

@@ -16,9 +16,10 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
 from actors.process import freeze_startup_objects, keep_off
-from api import Engine, PDRouter, RoundRobinRouter, Router, create_app
+from api import Engine, create_app
 from api.errors import RETRY_AFTER_S
 from api.migration import MigrationPolicy
+from api.router import make_router
 from engine.config import Config
 from serve.engines import EngineSupervisor
 from serve.placement import NORMAL_PRIORITY
@@ -43,11 +44,7 @@ class Ingress:
             return [by_name[name] for name in engine_names[role]]
 
         migration = MigrationPolicy(timeout_s=cfg.migration_timeout_s)
-        router: Router = (
-            PDRouter(engines("prefill"), engines("decode"), migration)
-            if engine_names["prefill"]
-            else RoundRobinRouter(engines("decode"), migration)
-        )
+        router = make_router(cfg, engines("prefill"), engines("decode"), migration)
         supervisor = EngineSupervisor(cfg, handles, lambda name, handle: by_name[name].rebind(handle))
         self._app = create_app(cfg, router, background=supervisor.run)
         freeze_startup_objects()

@@ -84,7 +84,8 @@ def test_served_moe_greedy_equals_transformers(tmp_path, kind):
             json={"model": card["id"], "messages": [{"role": "user", "content": image}], "max_tokens": 2},
         )
         assert bad.status_code == 400, bad.text
-        assert "messages" in bad.json()["error"]["param"]
+        assert bad.json()["error"]["param"] == "messages"
+        assert "image_url content is not supported" in bad.json()["error"]["message"]
     except BaseException:
         proc.kill()
         proc.wait()
