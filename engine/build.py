@@ -97,7 +97,14 @@ def make_scheduler(
     cfg: Config, model_cfg: ModelConfig, layout: CacheLayout, disagg: DisaggConfig | None = None
 ) -> Scheduler:
     max_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    kv = KVCacheManager(layout.groups, layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
+    kv = KVCacheManager(
+        layout.groups,
+        layout.num_blocks,
+        layout.block_size,
+        cfg.enable_prefix_caching,
+        cfg.prefix_cache_checkpoint_interval,
+        cfg.prefix_cache_checkpoint_pages,
+    )
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
     sched_cfg = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
     return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len), disagg)

@@ -82,7 +82,19 @@ class Config:
         lo=1,
     )
     async_scheduling: bool = _f(True, "schedule step N+1 while step N runs")
-    enable_prefix_caching: bool = _f(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_prefix_caching: bool = _f(
+        True,
+        "reuse the KV blocks of shared prompt prefixes; a hybrid model's hit also needs a state "
+        "checkpoint at the hit (docs/design.md §21)",
+    )
+    prefix_cache_checkpoint_interval: int = _f(
+        4, "hybrid models: keep the state after every N-th block (and after each prompt's last full block)", lo=1
+    )
+    prefix_cache_checkpoint_pages: int | None = _f(
+        None,
+        "hybrid models: KV pages running requests may hold as state checkpoints; default: a quarter of the pool",
+        lo=0,
+    )
     router: RouterPolicy = _f(
         "cache_aware",
         "how the API picks an engine of each role: in turn, by load, or by cached prefix against load "

@@ -170,6 +170,8 @@ class EngineCore:
             {
                 "steps": self.num_steps,
                 "preemptions": s.num_preemptions,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
                 **(s.pd.stats() if s.pd is not None else dict.fromkeys(STAT_NAMES, 0)),
                 "rank_merge_partial": self.merger.num_partial,
                 "phases": self.phases.snapshot(),

@@ -275,6 +275,11 @@ class SchedulerOutput:
     # None when nothing is to be zeroed (or the model has no Mamba pages to go stale).
     new_block_ids_to_zero: list[int] | None
     kv_connector_meta: ConnectorMetadata | None = None
+    # Hybrid prefix caching (docs/design.md §21), (source, destination) page ids copied whole
+    # in every cache buffer: a hit's state checkpoint into the request's slot before the
+    # forward, and a slot into a new checkpoint page after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -323,6 +323,8 @@ class Disaggregation:
                 return
             valid = self._valid_prefix(req, set(bad_blocks or ()))
             self.kv.record_blocks_for_zeroing(req.req_id, valid)  # I2 (docs/design.md §8): zeroed before recompute
+            if valid and self.kv.checkpointing:
+                self.kv.restore_state(req.req_id)  # the READ may have written the slot: back to the hit's state
             req.num_computed_tokens = valid
         self.loaded.append(req)
 
@@ -338,9 +340,11 @@ class Disaggregation:
 
     def _valid_prefix(self, req: Request, bad: set[int]) -> int:
         """Tokens still good after a partial load failure: up to the first invalid attention
-        block. A hybrid model keeps none: its Mamba state exists only at the prompt's end."""
+        block. A hybrid model keeps its local prefix hit, whose state checkpoint the request
+        holds (the READ never writes it), and nothing loaded: the state it loaded exists only
+        at the prompt's end (docs/design.md §21)."""
         if self.kv.zeroes_new_blocks:
-            return 0
+            return req.num_computed_tokens if self.kv.checkpointing else 0
         end = req.num_computed_tokens + req.num_external_tokens
         for group, ids in zip(self.kv.groups, self.kv.get_block_ids(req.req_id)):
             if group.kind == "attention":

@@ -73,6 +73,10 @@ class Scheduler:
         self._finished_for_workers: list[str] = []
         self.blocks_zeroed = 0
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters, in tokens: prompts looked up when admitted (or when
+        # their load started), and the part found in this engine's own cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # Ids aborted before they arrived (a client cancelled while its add_request was in
         # flight, and the abort overtook it): the late add_request is refused.
         self._aborted: dict[str, None] = {}
@@ -169,6 +173,7 @@ class Scheduler:
         preempted = False
 
         covered, running, prefix_caching = self.kv.covered, RequestStatus.RUNNING, self.kv.enable_prefix_caching
+        checkpointing, block_size = self.kv.checkpointing, self.kv.block_size
         for req in list(self.running):
             if budget == 0 or preempted:
                 break
@@ -186,6 +191,8 @@ class Scheduler:
                 n = budget
             if n <= 0:
                 continue
+            if n > 1 and checkpointing:
+                n = self._to_checkpoint(req, computed, n)
             if computed + n > covered.get(req_id, -1):
                 # Not the common decode step, which its blocks already hold: it needs blocks.
                 while (new_ids := self.kv.allocate_slots(req_id, computed + n)) is None:
@@ -209,6 +216,8 @@ class Scheduler:
             if prefix_caching:
                 starts[req_id] = computed
                 self._publish(req)
+                if checkpointing and (computed + n) % block_size == 0:
+                    self._checkpoint(req)
             budget -= n
 
         pd = self.pd
@@ -229,7 +238,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.last_step > self.freed.last_reported:
                 break  # preempted with a step still in flight: its blocks are not free yet
-            if req.resumed or req.sampling.prompt_logprobs is not None:
+            looked_up = prefix_caching and not req.resumed and req.sampling.prompt_logprobs is None
+            if not looked_up:
                 # Recomputed from scratch (its old blocks are gone), or every prompt position's
                 # logits are wanted, which a prefix-cache hit would skip.
                 hit = fresh_hit = 0
@@ -241,6 +251,7 @@ class Scheduler:
                     break
                 if load is LoadStart.STARTED:
                     self.waiting.popleft()
+                    self._count_lookup(req, hit, looked_up)
                     # The fix (docs/design.md §2): the blocks this load fills stay out of the zero list.
                     self._skip_zero_block_ids.update(pd.covered_block_ids(req))
                     continue
@@ -250,6 +261,7 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.popleft()
+            self._count_lookup(req, hit, looked_up)
             if pd is not None:
                 pd.computed_locally(req)
             budget -= n
@@ -262,7 +274,9 @@ class Scheduler:
         if starts:
             self._step_starts[step] = starts
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return SchedulerOutput(step, new_reqs, cached, tokens, finished, self._get_new_block_ids_to_zero(step), meta)
+        zero = self._get_new_block_ids_to_zero(step)
+        restores, saves = self.kv.take_state_copies()
+        return SchedulerOutput(step, new_reqs, cached, tokens, finished, zero, meta, restores, saves)
 
     def _admit(
         self,
@@ -280,8 +294,15 @@ class Scheduler:
         prefix-cache hit just found); the tokens scheduled, or 0 (nothing changed) if its blocks
         do not fit."""
         n = min(req.num_tokens_with_placeholders - hit, budget)
+        if n > 1 and self.kv.checkpointing:
+            n = self._to_checkpoint(req, hit, n)
         if n <= 0 or self.kv.allocate_slots(req.req_id, hit + n, num_new_computed_tokens=fresh_hit) is None:
             return 0
+        if fresh_hit and self.kv.checkpointing:
+            self.kv.restore_state(req.req_id)  # it starts from a copy of the hit's state
+        elif hit and self.kv.is_checkpoint(hit, req.num_prompt_tokens):
+            # A decode engine's loaded prompt: its slot holds the state after `hit` already.
+            self.kv.checkpoint(req.req_id, hit, req.all_token_ids, before_forward=True)
         req.num_computed_tokens = hit
         req.resumed = False
         req.status = RequestStatus.RUNNING
@@ -309,6 +330,8 @@ class Scheduler:
         if self.kv.enable_prefix_caching:
             starts[req.req_id] = start
             self._publish(req)
+            if self.kv.checkpointing and (start + n) % self.kv.block_size == 0:
+                self._checkpoint(req)
 
     def _publish(self, req: Request) -> None:
         """Offer the request's newly computed full blocks to the prefix cache; only a step that
@@ -316,6 +339,24 @@ class Scheduler:
         upto = min(req.num_computed_tokens, req.num_tokens)
         if self.kv.has_new_full_block(req.req_id, upto):
             self.kv.cache_full_blocks(req.req_id, req.all_token_ids, upto)
+
+    def _count_lookup(self, req: Request, hit: int, looked_up: bool) -> None:
+        if looked_up:
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += hit
+
+    def _to_checkpoint(self, req: Request, computed: int, n: int) -> int:
+        """A chunk of `n` tokens from `computed`, cut to end at the next state checkpoint
+        boundary it would cross: the worker copies the state after a step, so a checkpoint
+        exists only where a step ends (docs/design.md §21)."""
+        boundary = self.kv.next_checkpoint(computed, req.num_prompt_tokens)
+        return boundary - computed if computed < boundary < computed + n else n
+
+    def _checkpoint(self, req: Request) -> None:
+        """Keep the state after this step's chunk if the policy wants that boundary."""
+        end = req.num_computed_tokens
+        if self.kv.is_checkpoint(end, req.num_prompt_tokens):
+            self.kv.checkpoint(req.req_id, end, req.all_token_ids)
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request:
         """The lowest-priority running request not already in this step (possibly `req`)."""
@@ -391,6 +432,12 @@ class Scheduler:
             else:
                 if req.do_remote_decode:
                     req.num_tokens_with_placeholders -= 1  # the prompt is in: no output
+                    if req.status is RequestStatus.PREEMPTED:
+                        # Preempted while its last chunk ran: its blocks are going, so no hand-over;
+                        # the workers forget the sampled token with the request, and it recomputes.
+                        self._finished_for_workers.append(req_id)
+                        req.known_to_workers = False
+                        continue
                     params = self.disaggregation().hand_over(req, result.kv_checksums.get(req_id))
                     self._finish(req, "length", keep_blocks=True)
                     others.append(dataclasses.replace(self._output(req), kv_transfer_params=params))

@@ -7,6 +7,12 @@ taken from the pool for an attention group is recorded and drained each step by
 `take_blocks_to_zero`. The scheduler removes from that list the blocks a remote KV load
 will fill (`get_zeroing_block_ids_in_range`), since zeroing queued behind a running
 forward could land after the transfer and wipe it.
+
+Hybrid prefix caching (docs/design.md §21): a state group (Mamba2, Gated DeltaNet) keeps
+checkpoints, copies of the state after chosen block boundaries, and a hit is the longest
+prefix whose attention blocks are all cached AND whose state checkpoint at exactly that
+boundary is cached in every state group. The workers copy state pages, never zero them: the
+copies a step needs (`take_state_copies`) travel in its `SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kv.block_hash import extend_block_hashes
 from kv.block_pool import BlockPool, IntegrityError, KVBlock
@@ -21,6 +28,29 @@ from kv.cache_group import CacheGroup
 from kv.single_type_manager import FullAttentionManager, MambaManager, SingleTypeManager
 
 logger = logging.getLogger(__name__)
+
+# The default checkpoint policy: every 4th block boundary, and each prompt's last full block.
+DEFAULT_CHECKPOINT_INTERVAL = 4
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    """State pages (one per state group) a request saves its state after `boundary` tokens
+    into. Published once the copy has shipped (a hit found later reads it in a later step,
+    behind it on the compute stream) and the boundary's block hash is known (under async
+    scheduling a decode step's input token is known only after the step before reports)."""
+
+    boundary: int
+    pages: list[KVBlock]
+    shipped: bool = False
+    published: bool = False
+    dead: bool = False  # the step that was to fill it failed: never published
+
+
+@dataclass(slots=True)
+class _ReqCheckpoints:
+    saved: list[_Checkpoint] = field(default_factory=list)
+    hit: list[KVBlock] = field(default_factory=list)  # the checkpoint its hit starts from, per state group
 
 
 class KVCacheManager:
@@ -30,6 +60,8 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool,
+        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+        max_checkpoint_pages: int | None = None,
     ) -> None:
         if not groups:
             raise ValueError("at least one KV cache group is required")
@@ -38,11 +70,11 @@ class KVCacheManager:
         self.groups = tuple(groups)
         self.block_size = block_size
         self._has_mamba = any(g.kind == "mamba" for g in self.groups)
-        # A hit would need the Mamba state at the hit position, which is not kept, so
-        # a hybrid model recomputes every prompt.
-        if enable_prefix_caching and self._has_mamba:
-            logger.info("prefix caching disabled: the model has Mamba layer groups")
-            enable_prefix_caching = False
+        if checkpoint_interval < 1:
+            raise ValueError(f"checkpoint_interval must be at least 1 block, got {checkpoint_interval}")
+        self.checkpoint_interval = checkpoint_interval
+        # Pages running requests may hold as saved checkpoints; beyond it a boundary is not kept.
+        self.max_checkpoint_pages = num_blocks // 4 if max_checkpoint_pages is None else max_checkpoint_pages
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.managers: tuple[SingleTypeManager, ...] = tuple(
@@ -50,6 +82,23 @@ class KVCacheManager:
             for group_id, g in enumerate(self.groups)
         )
         self._attention = tuple(m for m in self.managers if isinstance(m, FullAttentionManager))
+        self._state = tuple(m for m in self.managers if isinstance(m, MambaManager))
+        self.checkpointing = enable_prefix_caching and bool(self._state)
+        if self.checkpointing:
+            logger.info(
+                "hybrid prefix caching: a state checkpoint (one page per state group, %d groups) every "
+                "%d blocks and at each prompt's last full block; running requests hold at most %d "
+                "checkpoint pages, the rest are evictable like cached blocks",
+                len(self._state),
+                checkpoint_interval,
+                self.max_checkpoint_pages,
+            )
+        self._checkpoints: dict[str, _ReqCheckpoints] = {}
+        self._checkpoint_pages_held = 0  # saved pages of requests not yet freed
+        # This step's state copies: (checkpoint, slot) before its forward, (slot, checkpoint) after.
+        # A freed request's copies not shipped yet are dropped (its slot may go to another).
+        self._restores: list[tuple[str, int, int]] = []
+        self._saves: list[tuple[str, int, int]] = []
         # Fresh attention block ids awaiting zeroing -> owning request, in allocation
         # order (a dict keeps order and refuses duplicates).
         self._blocks_to_zero: dict[int, str] = {}
@@ -109,7 +158,10 @@ class KVCacheManager:
         hashes = extend_block_hashes(self._req_hashes.get(req_id, []), token_ids, self.block_size)
         self._req_hashes[req_id] = hashes
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        num_hit = min(len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention)
+        num_hit = min((len(m.find_longest_cache_hit(hashes[:max_blocks])) for m in self._attention), default=max_blocks)
+        # A hybrid hit also needs the state after exactly that block, in every state group.
+        while num_hit and not all(m.find_checkpoint(hashes[num_hit - 1]) for m in self._state):
+            num_hit -= 1
         self._pending_hits[req_id] = num_hit * self.block_size
         return num_hit * self.block_size
 
@@ -140,7 +192,7 @@ class KVCacheManager:
             return tuple([] for _ in self.managers)
         if num_tokens_total < num_new_computed_tokens:
             raise ValueError(f"num_tokens_total {num_tokens_total} < prefix hit {num_new_computed_tokens}")
-        hits = self._take_hit_blocks(req_id, num_new_computed_tokens) if num_new_computed_tokens else {}
+        hits, states = self._take_hit_blocks(req_id, num_new_computed_tokens) if num_new_computed_tokens else ({}, [])
         needs = [m.get_num_blocks_to_allocate(req_id, num_tokens_total) for m in self.managers]
         if not hits and not any(needs):
             return tuple([] for _ in self.managers)
@@ -149,6 +201,7 @@ class KVCacheManager:
             # A hit block sitting in the free queue is counted as free but stops being
             # free once touched, so it cannot also serve as a new block.
             num_new += sum(1 for blocks in hits.values() for b in blocks if b.ref_cnt == 0)
+            num_new += sum(1 for b in states if b.ref_cnt == 0)
         else:
             num_new = sum(needs)
         if num_new > self.pool.num_free_blocks:
@@ -159,6 +212,9 @@ class KVCacheManager:
             manager = self.managers[group_id]
             assert isinstance(manager, FullAttentionManager)
             manager.add_cached_blocks(req_id, blocks)
+        for manager, block in zip(self._state, states):
+            manager.hold_checkpoint(req_id, block)
+            self._checkpoints.setdefault(req_id, _ReqCheckpoints()).hit.append(block)
         new_ids: list[list[int]] = []
         for manager, need in zip(self.managers, needs):
             if not need:
@@ -177,12 +233,13 @@ class KVCacheManager:
         self._covered[req_id] = min([m.num_tokens_covered(req_id) for m in self.managers])
         return tuple(new_ids)
 
-    def _take_hit_blocks(self, req_id: str, num_tokens: int) -> dict[int, list[KVBlock]]:
+    def _take_hit_blocks(self, req_id: str, num_tokens: int) -> tuple[dict[int, list[KVBlock]], list[KVBlock]]:
         """The cached blocks covering the first `num_tokens` tokens, per attention
-        group id, looked up again so a hit evicted since `get_computed_blocks` is
-        caught instead of silently reused with someone else's content."""
+        group id, and the state checkpoint after them per state group, looked up again so a
+        hit evicted since `get_computed_blocks` is caught instead of silently reused with
+        someone else's content."""
         if num_tokens == 0:
-            return {}
+            return {}, []
         if num_tokens % self.block_size:
             raise ValueError(f"prefix hit of {num_tokens} tokens is not block aligned")
         if num_tokens > self._pending_hits.get(req_id, 0):
@@ -196,7 +253,11 @@ class KVCacheManager:
             if len(blocks) < len(hashes):
                 raise RuntimeError(f"request {req_id}: prefix-hit blocks were evicted before allocate_slots")
             hits[manager.group_id] = blocks
-        return hits
+        states = [m.find_checkpoint(hashes[-1]) for m in self._state]
+        found = [b for b in states if b is not None]
+        if len(found) < len(states):
+            raise RuntimeError(f"request {req_id}: prefix-hit state checkpoints were evicted before allocate_slots")
+        return hits, found
 
     def has_new_full_block(self, req_id: str, num_computed_tokens: int) -> bool:
         """Whether `cache_full_blocks` up to `num_computed_tokens` would publish a block not
@@ -214,6 +275,89 @@ class KVCacheManager:
             extend_block_hashes(hashes, token_ids[: num_full * self.block_size], self.block_size)
         for manager in self._attention:
             manager.cache_blocks(req_id, hashes, num_full)
+        if req_id in self._checkpoints:
+            self._publish_checkpoints(req_id)
+
+    # -- state checkpoints (docs/design.md §21) -------------------------------------------
+
+    def next_checkpoint(self, num_computed: int, num_prompt_tokens: int) -> int:
+        """The first checkpoint boundary past `num_computed` tokens (a multiple of the
+        interval, or the prompt's last full block): a prefill chunk ends there, so the state
+        after it exists to be copied. 0 when nothing is checkpointed."""
+        if not self.checkpointing:
+            return 0
+        every = self.checkpoint_interval * self.block_size
+        boundary = (num_computed // every + 1) * every
+        last = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        return last if num_computed < last < boundary else boundary
+
+    def is_checkpoint(self, num_tokens: int, num_prompt_tokens: int) -> bool:
+        """Whether the policy keeps the state after `num_tokens` tokens."""
+        if not self.checkpointing or num_tokens <= 0 or num_tokens % self.block_size:
+            return False
+        if num_tokens % (self.checkpoint_interval * self.block_size) == 0:
+            return True
+        return num_tokens == (num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def checkpoint(self, req_id: str, num_tokens: int, token_ids: Sequence[int], before_forward: bool = False) -> bool:
+        """Save the request's state after `num_tokens` tokens, which the step being scheduled
+        computes up to exactly, into fresh pages: the copies go after the step's forward
+        (`take_state_copies`), or before it when the slot holds that state already (a decode
+        engine's loaded prompt, whose READ has ended). Skipped (False) when the boundary is cached already, the pool
+        has no free page, or running requests hold `max_checkpoint_pages`."""
+        if num_tokens % self.block_size:
+            raise ValueError(f"checkpoint at {num_tokens} tokens is not block aligned")
+        num_pages = len(self._state)
+        if self._checkpoint_pages_held + num_pages > self.max_checkpoint_pages:
+            return False
+        if num_pages > self.pool.num_free_blocks:
+            return False
+        hashes = self._req_hashes.setdefault(req_id, [])
+        extend_block_hashes(hashes, token_ids[:num_tokens], self.block_size)
+        index = num_tokens // self.block_size - 1
+        if index < len(hashes) and all(m.find_checkpoint(hashes[index]) for m in self._state):
+            return False
+        entry = self._checkpoints.setdefault(req_id, _ReqCheckpoints())
+        if any(c.boundary == num_tokens and not c.dead for c in entry.saved):
+            return False  # a resumed request passing a boundary it saved already
+        pages = [m.new_checkpoint(req_id) for m in self._state]
+        copies = self._restores if before_forward else self._saves
+        copies.extend((req_id, m.slot(req_id), page.block_id) for m, page in zip(self._state, pages))
+        entry.saved.append(_Checkpoint(num_tokens, pages))
+        self._checkpoint_pages_held += num_pages
+        return True
+
+    def restore_state(self, req_id: str) -> None:
+        """The request computes on from its prefix hit: copy the hit's checkpoint into its own
+        slot before the step's forward (the cached page itself is never written)."""
+        entry = self._checkpoints.get(req_id)
+        if entry is None or not entry.hit:
+            raise ValueError(f"request {req_id} holds no state checkpoint to start from")
+        self._restores.extend((req_id, page.block_id, m.slot(req_id)) for m, page in zip(self._state, entry.hit))
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Drain this step's state copies, (source, destination) page ids: restores to run
+        before its forward, saves after. Saves now ship, so their checkpoints may be
+        published: a hit found from the next step on reads them behind this step."""
+        restores = [(src, dst) for _, src, dst in self._restores]
+        saves = [(src, dst) for _, src, dst in self._saves]
+        self._restores, self._saves = [], []
+        if restores or saves:
+            for req_id, entry in self._checkpoints.items():
+                if any(not c.shipped for c in entry.saved):
+                    for c in entry.saved:
+                        c.shipped = True
+                    self._publish_checkpoints(req_id)
+        return restores, saves
+
+    def _publish_checkpoints(self, req_id: str) -> None:
+        hashes = self._req_hashes.get(req_id, [])
+        for c in self._checkpoints[req_id].saved:
+            index = c.boundary // self.block_size - 1
+            if c.shipped and not c.published and not c.dead and index < len(hashes):
+                for manager, page in zip(self._state, c.pages):
+                    manager.publish_checkpoint(page, hashes[index])
+                c.published = True
 
     def free(self, req_id: str) -> None:
         """Return every block of the request to the pool. Its ids not yet taken for
@@ -226,6 +370,11 @@ class KVCacheManager:
         self._req_hashes.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._covered.pop(req_id, None)
+        entry = self._checkpoints.pop(req_id, None)
+        if entry is not None:
+            self._checkpoint_pages_held -= sum(len(c.pages) for c in entry.saved)
+            self._restores = [c for c in self._restores if c[0] != req_id]
+            self._saves = [c for c in self._saves if c[0] != req_id]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while any block is in use."""
@@ -257,14 +406,19 @@ class KVCacheManager:
         blocks = [
             b for m in self._attention for b in m.req_to_blocks.get(req_id, [])[m.block_span(start_token, end_token)]
         ]
+        entry = self._checkpoints.get(req_id)
+        for c in entry.saved if entry is not None else ():
+            if start_token < c.boundary <= end_token:
+                c.dead = True
+                blocks.extend(c.pages)
         self.pool.uncache(blocks)
         ids = {b.block_id for b in blocks if b.ref_cnt > 1}
         return {
             r
-            for m in self._attention
+            for m in self.managers
             for r, bs in m.req_to_blocks.items()
             if r != req_id and any(b.block_id in ids for b in bs)
-        }
+        } | {r for r, e in self._checkpoints.items() if r != req_id and any(b.block_id in ids for b in e.hit)}
 
     def get_zeroing_block_ids_in_range(self, req_id: str, start_token: int, end_token: int) -> list[int]:
         """Attention block ids that a remote load of tokens [start_token, end_token)
@@ -300,6 +454,12 @@ class KVCacheManager:
         for manager in self.managers:
             for blocks in manager.req_to_blocks.values():
                 owners.update(b.block_id for b in blocks)
+            if isinstance(manager, MambaManager):
+                for blocks in manager.req_checkpoints.values():
+                    owners.update(b.block_id for b in blocks)
+        held = sum(len(c.pages) for e in self._checkpoints.values() for c in e.saved)
+        if held != self._checkpoint_pages_held:
+            raise IntegrityError(f"{held} saved checkpoint pages held, counted {self._checkpoint_pages_held}")
         for block in self.pool.blocks:
             count = owners[block.block_id]
             if block.ref_cnt != count:

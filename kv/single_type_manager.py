@@ -131,12 +131,20 @@ class FullAttentionManager(SingleTypeManager):
 
 
 class MambaManager(SingleTypeManager):
-    """One state slot per request, whatever its length: the state is overwritten in
-    place each step. Fresh slots are not zeroed (the state is fully rewritten), and
-    there is no prefix caching: a hit would need the state at that exact token, which
-    is not kept."""
+    """One state slot per request, whatever its length: the state is overwritten in place
+    each step. Fresh slots are not zeroed (the state is fully rewritten).
+
+    Prefix caching keeps state checkpoints (docs/design.md §21): a page holding a copy of
+    the state after a block boundary, cached under that boundary's block hash and this
+    group's id. A request holds the checkpoint pages it saved and the one its hit starts
+    from until it is freed (so a page is never reallocated while a copy into or out of it
+    may still be queued); freed, they stay findable until evicted, like attention blocks."""
 
     zeroes_new_blocks = False
+
+    def __init__(self, pool: BlockPool, block_size: int, group_id: int) -> None:
+        super().__init__(pool, block_size, group_id)
+        self.req_checkpoints: dict[str, list[KVBlock]] = {}
 
     def num_tokens_covered(self, req_id: str) -> int:
         return sys.maxsize if self.req_to_blocks.get(req_id) else 0
@@ -147,3 +155,28 @@ class MambaManager(SingleTypeManager):
 
     def num_required_blocks(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0  # `block_span(0, num_tokens).stop`, as for attention
+
+    def find_checkpoint(self, block_hash: bytes) -> KVBlock | None:
+        """The cached state after the block whose (chained) hash is `block_hash`."""
+        return self.pool.get_cached_block(with_group(block_hash, self.group_id))
+
+    def hold_checkpoint(self, req_id: str, block: KVBlock) -> None:
+        """The request starts from this cached checkpoint (touched: it cannot be evicted)."""
+        self.pool.touch([block])
+        self.req_checkpoints.setdefault(req_id, []).append(block)
+
+    def new_checkpoint(self, req_id: str) -> KVBlock:
+        """A fresh page for the request to save its state into (published later)."""
+        (block,) = self.pool.get_new_blocks(1)
+        self.req_checkpoints.setdefault(req_id, []).append(block)
+        return block
+
+    def publish_checkpoint(self, block: KVBlock, block_hash: bytes) -> None:
+        self.pool.cache_full_block(block, with_group(block_hash, self.group_id))
+
+    def slot(self, req_id: str) -> int:
+        return self.req_to_blocks[req_id][0].block_id
+
+    def free(self, req_id: str) -> None:
+        self.pool.free_blocks(reversed(self.req_checkpoints.pop(req_id, [])))
+        super().free(req_id)

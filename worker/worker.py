@@ -233,6 +233,7 @@ class Worker:
     def _step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         failed = self._apply(out)
         zeroed = self._zero(out.new_block_ids_to_zero or [])
+        self._copy_pages(out.state_restores)
         scheduled = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
         sampled: dict[str, int] = {}
         logprobs = _StepLogprobs()
@@ -246,6 +247,7 @@ class Worker:
                 log.exception("worker step %d failed", out.step_id)
                 for req_id in scheduled:
                     self._drop(failed, req_id, f"the worker failed step {out.step_id}: {e!r}")
+        self._copy_pages(out.state_saves)
         # A request sampled on the prefill side has its prompt computed and is handed over;
         # nothing writes its blocks afterwards, so their checksums hold until it is read.
         sums = self._hand_over_sums
@@ -445,6 +447,11 @@ class Worker:
         bad_zero = [b for b in out.new_block_ids_to_zero or [] if not 0 <= b < self._layout.num_blocks]
         if bad_zero:
             raise ValueError(f"{step}: blocks to zero {bad_zero} outside [0, {self._layout.num_blocks})")
+        bad_copy = [
+            p for p in out.state_restores + out.state_saves if not all(0 <= b < self._layout.num_blocks for b in p)
+        ]
+        if bad_copy:
+            raise ValueError(f"{step}: state page copies {bad_copy} outside [0, {self._layout.num_blocks})")
         failed: dict[str, str] = {}
         # (tokens known, tokens computed) of every request this step may name, after its updates
         span = {
@@ -524,6 +531,14 @@ class Worker:
             for buf in self.buffers:
                 buf[index] = 0
         return len(block_ids)
+
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """State checkpoints (docs/design.md §21): page `src` copied whole onto page `dst` in
+        every buffer, on the stream, so a save sees its step's forward and a restore comes
+        after the save it reads. Under TP each rank copies its own heads' pages."""
+        for src, dst in pairs:
+            for buf in self.buffers:
+                buf[dst].copy_(buf[src])
 
     def _chunk(self, req_id: str, n: int) -> SeqChunk:
         state = self.requests[req_id]

@@ -49,12 +49,21 @@ async def serve_all(client: EngineClient, reqs) -> list[list[int]]:
 
 
 def run_local(cfg: Config, reqs) -> tuple[list[list[int]], object]:
+    got, stats = run_local_waves(cfg, [reqs])
+    return got[0], stats
+
+
+def run_local_waves(cfg: Config, waves) -> tuple[list[list[list[int]]], object]:
+    """Each wave of requests served concurrently once the one before has ended, on one engine."""
+
     async def main():
         core, worker = build_local_engine(cfg)
         client = EngineClient(EngineCalls.local(core))
-        got = await serve_all(client, reqs)
-        await core.wait_idle()
-        core.scheduler.kv.check_integrity()
+        got = []
+        for reqs in waves:
+            got.append(await serve_all(client, reqs))
+            await core.wait_idle()
+            core.scheduler.kv.check_integrity()
         stats = core.stats()
         await client.close()
         await core.close()
@@ -90,7 +99,7 @@ def test_concurrent_equals_alone(checkpoint, async_scheduling, pool):
 def test_prefix_caching_dense(checkpoint):
     kind, path = checkpoint
     if kind != "qwen3":
-        pytest.skip("prefix caching applies to attention-only models")
+        pytest.skip("hybrid prefix caching: tests/engine/test_hybrid_prefix_cache.py")
     reqs = workload(16, seed=1, shared_prefix=24)
     cfg = Config(
         model=path,

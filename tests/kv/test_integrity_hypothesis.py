@@ -1,7 +1,10 @@
 """Random request lifecycles against the KV cache manager, with a shadow of the zero list.
 
 Token ids come from a 2-letter alphabet and blocks are 2-4 tokens, so prefix hits,
-shared blocks and evictions of cached blocks happen often.
+shared blocks and evictions of cached blocks happen often. On hybrid configurations requests
+also save state checkpoints at random block boundaries, and a shadow of what each checkpoint
+page holds checks that a hit always restores the state after exactly its own prefix: a hit's
+state length equals its attention length (docs/design.md §21).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class KVLifecycle(RuleBasedStateMachine):
         # What take_blocks_to_zero must return next: fresh attention blocks (and blocks
         # recorded after a failed load), in order, minus those of freed requests.
         self.expected_zero: dict[int, str] = {}
+        # Checkpoint page -> the tokens whose state it holds (forgotten when the page is reused).
+        self.state_of: dict[int, tuple[int, ...]] = {}
+        self.hybrid = any(g.kind == "mamba" for g in self.groups)
 
     def _allocate(self, req_id: str, num_tokens: int, hit: int) -> bool:
         before = self.kv.get_block_ids(req_id)
@@ -43,9 +49,12 @@ class KVLifecycle(RuleBasedStateMachine):
             assert self.kv.get_block_ids(req_id) == before
             return False
         after = self.kv.get_block_ids(req_id)
-        first_new = [max(len(b), hit // self.block_size) for b in before]
+        # A hit shares attention blocks; a state group's one slot is always fresh.
+        first_new = [max(len(b), hit // self.block_size if g in self.attention else 0) for g, b in enumerate(before)]
         fresh = [after[g][first_new[g] :] for g in range(len(self.groups))]
         assert list(new_ids) == fresh
+        for block_id in (b for ids in fresh for b in ids):
+            self.state_of.pop(block_id, None)
         for g in self.attention:
             self.expected_zero.update(dict.fromkeys(fresh[g], req_id))
         return True
@@ -72,6 +81,33 @@ class KVLifecycle(RuleBasedStateMachine):
             return
         self.tokens[req_id] = tokens
         self.kv.cache_full_blocks(req_id, tokens, len(tokens))
+        if use_hit and hit and self.hybrid:
+            self.kv.restore_state(req_id)
+            restores, _ = self.kv.take_state_copies()
+            slots = {ids[0] for g, ids in enumerate(self.kv.get_block_ids(req_id)) if g not in self.attention}
+            assert len(restores) == len(slots) and {dst for _, dst in restores} == slots
+            for src, _ in restores:
+                assert self.state_of.get(src) == tuple(tokens[:hit]), "a hit restored a state of another prefix"
+        if self.hybrid and len(tokens) > self.block_size:
+            self._checkpoint(req_id, (len(tokens) - 1) // self.block_size * self.block_size)
+
+    @precondition(lambda self: self.tokens and self.hybrid)
+    @rule(data=st.data())
+    def checkpoint(self, data: st.DataObject) -> None:
+        req_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[req_id]
+        num_blocks = len(tokens) // self.block_size
+        if not num_blocks:
+            return
+        self._checkpoint(req_id, data.draw(st.integers(1, num_blocks)) * self.block_size)
+
+    def _checkpoint(self, req_id: str, boundary: int) -> None:
+        tokens = self.tokens[req_id]
+        saved = self.kv.checkpoint(req_id, boundary, tokens)
+        _, saves = self.kv.take_state_copies()
+        assert len(saves) == (len(self.groups) - len(self.attention) if saved else 0)
+        for _, page in saves:
+            self.state_of[page] = tuple(tokens[:boundary])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), extra=TOKENS)

@@ -153,14 +153,89 @@ def test_bad_prefix_hit_arguments_raise():
         kv.allocate_slots("a", 2, 4)  # fewer tokens than the hit
 
 
-def test_hybrid_model_disables_prefix_caching_and_logs(caplog):
+def test_hybrid_hit_needs_the_state_checkpoint_at_exactly_that_boundary(caplog):
     with caplog.at_level(logging.INFO, logger="kv.kv_cache_manager"):
-        kv = make(groups=(ATT, MAMBA), caching=True)
-    assert not kv.enable_prefix_caching
-    assert sum("prefix caching disabled" in r.message for r in caplog.records) == 1
+        kv = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
+    assert kv.enable_prefix_caching and kv.checkpointing
+    assert sum("state checkpoint" in r.message for r in caplog.records) == 1
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    kv.allocate_slots("a", 7)
+    kv.cache_full_blocks("a", tokens, 7)
+    # Attention blocks without a checkpoint are no hit for a hybrid.
+    assert kv.get_computed_blocks("b", tokens) == 0
+    assert kv.checkpoint("a", 2, tokens)
+    (slot,) = kv.get_block_ids("a")[1]
+    restores, saves = kv.take_state_copies()
+    assert restores == [] and len(saves) == 1 and saves[0][0] == slot
+    assert kv.get_computed_blocks("b", tokens) == 2  # blocks 0-2 cached, the state only after block 0
+    assert kv.checkpoint("a", 6, tokens)
+    kv.take_state_copies()
+    assert kv.get_computed_blocks("c", tokens) == 6
+    assert kv.get_computed_blocks("d", [1, 2, 3, 4, 9, 9, 9]) == 2  # another prefix at 4: no state
+    kv.allocate_slots("c", 7, 6)
+    kv.restore_state("c")
+    (c_slot,) = kv.get_block_ids("c")[1]
+    restores, saves = kv.take_state_copies()
+    assert restores == [(saves_page := restores[0][0], c_slot)] and saves == []
+    assert saves_page != c_slot and saves_page not in kv.get_block_ids("a")[1]
+    assert c_slot not in kv.take_blocks_to_zero()  # state pages are never zeroed
+    kv.free("a")
+    kv.free("c")
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+def test_a_checkpoint_is_published_only_once_its_copy_ships():
+    kv = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
+    tokens = [1, 2, 3, 4, 5]
     kv.allocate_slots("a", 4)
-    kv.cache_full_blocks("a", [1, 2, 3, 4], 4)
-    assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == 0
+    kv.cache_full_blocks("a", tokens, 4)
+    assert kv.checkpoint("a", 4, tokens)
+    # Same step: a hit would restore before the forward that fills the checkpoint.
+    assert kv.get_computed_blocks("b", tokens) == 0
+    kv.take_state_copies()
+    assert kv.get_computed_blocks("b", tokens) == 4
+
+
+def test_evicting_an_attention_block_shortens_the_hit_to_an_earlier_checkpoint():
+    kv = make(groups=(ATT, MAMBA), num_blocks=9, caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    kv.allocate_slots("a", 7)  # attention 0-3, slot 4
+    kv.cache_full_blocks("a", tokens, 7)
+    kv.checkpoint("a", 2, tokens)
+    kv.checkpoint("a", 6, tokens)
+    kv.take_state_copies()
+    kv.free("a")  # free queue: 7 8, then a's tail first 3 2 1 0, its checkpoints, its slot
+    assert kv.get_computed_blocks("b", tokens) == 6
+    kv.allocate_slots("x", 6)  # takes 7 8 3 2: the block of tokens 4-5 is evicted
+    # Blocks 0-1 are still cached, but there is no state after 4 tokens: the hit is 2 tokens,
+    # where a checkpoint is, never 4 tokens of K/V with a state of another length.
+    assert kv.get_computed_blocks("b", tokens) == 2
+    assert kv.allocate_slots("b", 3, 2) is not None  # its first chunk ends at the next boundary
+    kv.restore_state("b")
+    restores, _ = kv.take_state_copies()
+    assert len(restores) == 1
+    kv.free("x")
+    kv.free("b")
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+def test_a_failed_step_withdraws_its_checkpoints_and_names_who_restored_them():
+    kv = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    kv.allocate_slots("a", 4)
+    kv.cache_full_blocks("a", tokens, 4)
+    kv.checkpoint("a", 4, tokens)
+    kv.take_state_copies()
+    hit = kv.get_computed_blocks("b", tokens)
+    kv.allocate_slots("b", 5, hit)
+    assert kv.uncache_blocks("a", 0, 4) == {"b"}
+    assert kv.get_computed_blocks("c", tokens) == 0
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
 
 
 def test_a_block_is_offered_for_publishing_once_when_it_fills():
