@@ -107,7 +107,7 @@ def build_engine(
         )
         for rank in range(tp)
     ]
-    kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching)
+    kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching, shape.checkpoint_interval)
     cfg = SchedulerConfig(shape.max_batched_tokens, shape.max_num_seqs, MAX_MODEL_LEN)
     disagg = (
         None

@@ -106,6 +106,7 @@ async def _colocated_phase(
             )
     await _finish(report, [colo])
     report.stats["colocated_preemptions"] = colo.scheduler.num_preemptions
+    report.stats["colocated_prefix_hits"] = colo.scheduler.prefix_cache_hits
     return {r: o.tokens for r, o in outs.items()}
 
 
@@ -138,6 +139,9 @@ async def _pd_phase(
         decode_preemptions=decode.scheduler.num_preemptions,
         blocks_skipped=decode.scheduler.blocks_skipped,
         decode_failed_loads=decode.scheduler.pd.num_failed_loads,
+        decode_prefix_hits=decode.scheduler.prefix_cache_hits,
+        prefill_prefix_hits=prefill.scheduler.prefix_cache_hits,
+        decode_pages_copied=sum(w.pages_copied for w in decode.workers),
         # loads that failed on some ranks and landed on the others (the merge must fail them)
         one_rank_failed=sum(len(r) < shape.decode_tp for r in fabric.stats.failed_ranks.values()),
         failed_load_reqs=len(fabric.stats.failed_ranks),

@@ -68,6 +68,7 @@ class SimWorker:
         self.requests: dict[str, _ReqState] = {}
         self.bad_reads: list[BadRead] = []
         self.steps_run = 0
+        self.pages_copied = 0
         self._last_step: int | None = None
         self._queue: asyncio.Queue[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = asyncio.Queue()
         self._stream: asyncio.Task[None] | None = None
@@ -156,6 +157,7 @@ class SimWorker:
             for memory in self.memories.values():
                 memory.zero(block)
         zeroed = len(out.new_block_ids_to_zero or [])
+        self._copy_pages(out.state_restores)
         scheduled = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
         sampled: dict[str, int] = {}
         try:
@@ -163,8 +165,10 @@ class SimWorker:
         except ValueError as e:  # the real batch builder refuses the whole step
             for req_id in scheduled:
                 self._drop(failed, req_id, f"the worker failed step {out.step_id}: {e!r}")
+            self._copy_pages(out.state_saves)
             return ModelRunnerOutput(out.step_id, {}, num_zeroed_blocks=zeroed, failed_reqs=failed)
         read_wrong = {ctx.req_id for ctx, start, end in chunks if self._forward(ctx, start, end)}
+        self._copy_pages(out.state_saves)
         if chunks:  # every rank has the same chunks: all of them meet here, or none
             read_wrong = await self.collective.all_reduce(out.step_id, read_wrong)
         for ctx, _, end in chunks:
@@ -172,6 +176,15 @@ class SimWorker:
             if token is not None:
                 sampled[ctx.req_id] = token
         return ModelRunnerOutput(out.step_id, sampled, num_zeroed_blocks=zeroed, failed_reqs=failed)
+
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """As `Worker._copy_pages`: state checkpoints saved and restored whole, on the stream; a
+        copied state keeps the prefix it was computed from, so a forward that starts from a
+        checkpoint of another prefix or length is a bad read."""
+        for src, dst in pairs:
+            for memory in self.memories.values():
+                memory.copy_page(memory, src, dst)
+        self.pages_copied += len(pairs)
 
     def _chunk(self, step: int, req_id: str, n: int) -> tuple[ChunkContext, int, int]:
         state = self.requests[req_id]

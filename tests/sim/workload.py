@@ -44,7 +44,8 @@ class Shape:
     name: str
     model: Literal["hybrid", "dense", "hybrid_3to1"]
     pd: bool = True
-    prefix_caching: bool = False  # a hybrid's KV manager turns it off whatever this says
+    prefix_caching: bool = False
+    checkpoint_interval: int = 1  # blocks between a hybrid's state checkpoints (docs/design.md §21)
     async_scheduling: bool = True
     prefill_blocks: int = 64
     decode_blocks: int = 64
@@ -295,6 +296,57 @@ SHAPES: dict[str, Shape] = {
             arrival_gap_s=0.0005,
         ),
         Shape("hybrid_colocated_tight", "hybrid", pd=False, decode_blocks=12, num_requests=24, arrival_gap_s=0.0),
+        # Hybrid prefix caching (docs/design.md §21): state checkpoints at block boundaries, hits
+        # that restore one, a decode engine's local hit plus a remote load of the rest.
+        Shape(
+            "hybrid_colocated_prefix_tight",
+            "hybrid",
+            pd=False,
+            prefix_caching=True,
+            decode_blocks=16,
+            shared_prefixes=3,
+            duplicate_fraction=0.3,
+            num_requests=24,
+            arrival_gap_s=0.001,
+        ),
+        Shape(
+            "hybrid_pd_prefix",
+            "hybrid",
+            prefix_caching=True,
+            decode_blocks=32,
+            prefill_blocks=32,
+            shared_prefixes=3,
+            duplicate_fraction=0.3,
+            max_tokens=(1, 14),
+            num_requests=24,
+            arrival_gap_s=0.002,
+        ),
+        Shape(
+            "hybrid_pd_prefix_fail_aborts_tight",
+            "hybrid",
+            prefix_caching=True,
+            fail_fraction=0.2,
+            abort_fraction=0.3,
+            decode_blocks=18,
+            prefill_blocks=24,
+            shared_prefixes=3,
+            duplicate_fraction=0.3,
+            num_requests=24,
+            arrival_gap_s=0.001,
+        ),
+        Shape(
+            "hybrid_3to1_pd_prefix_sync",
+            "hybrid_3to1",
+            prefix_caching=True,
+            async_scheduling=False,
+            fail_fraction=0.1,
+            checkpoint_interval=2,
+            decode_blocks=48,
+            prefill_blocks=48,
+            shared_prefixes=2,
+            duplicate_fraction=0.3,
+            num_requests=20,
+        ),
     )
 }
 
@@ -306,6 +358,9 @@ for _base, _p, _d in (
     ("hybrid_pd_tight", 2, 2),
     ("dense_pd_prefix_fail_recompute", 1, 2),
     ("hybrid_colocated_tight", 1, 2),
+    ("hybrid_pd_prefix_fail_aborts_tight", 2, 1),
+    ("hybrid_pd_prefix_fail_aborts_tight", 1, 2),
+    ("hybrid_pd_prefix_fail_aborts_tight", 2, 2),
 ):
     _tp = dataclasses.replace(SHAPES[_base], name=f"{_base}_tp{_p}{_d}", prefill_tp=_p, decode_tp=_d)
     SHAPES[_tp.name] = _tp
