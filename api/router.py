@@ -14,8 +14,8 @@ from typing import Any
 
 from actors.client import ActorSlot, EngineCalls, EngineClient, EngineLostError
 from api.migration import MigrationPolicy, resumable
-from api.routing.disagg import decide
 from api.routing.fleet import DEFAULT_POLL_INTERVAL_S, Fleet, FleetRole
+from api.routing.plan import route
 from api.routing.policies import Policy, RoundRobin, expected_hit, make_policy
 from api.routing.prefix import PromptBlocks
 from engine.config import Config
@@ -114,9 +114,15 @@ class Router(ABC):
         self, name: str, prompt_ids: list[int], sampling: SamplingParams, req_id: str, **kwargs: Any
     ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine's call; an engine lost under it is left out of the next
-        decisions until a poll hears from it again."""
+        decisions until a poll hears from it again. One removed from the fleet since it was chosen
+        (drained and stopped by the autoscaler, serve/controller.py) is lost too: the request
+        resumes on another engine."""
         try:
-            async with aclosing(self.fleet.engine(name).client.generate(prompt_ids, sampling, req_id, **kwargs)) as s:
+            engine = self.fleet.engine(name)
+        except KeyError:
+            raise EngineLostError(f"engine {name} has left the fleet") from None
+        try:
+            async with aclosing(engine.client.generate(prompt_ids, sampling, req_id, **kwargs)) as s:
                 async for out in s:
                     yield out
         except EngineLostError:
@@ -193,27 +199,24 @@ class PDRouter(Router):
     async def _attempt(
         self, prompt_ids: list[int], sampling: SamplingParams, req_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        prompt = PromptBlocks(prompt_ids)
-        decode = self.policy.choose(self.fleet.candidates("decode"), prompt, sampling.max_tokens)
-        prefills = self.fleet.candidates("prefill")
-        choice = decide(
-            self.min_prefill_tokens,
-            decode,
-            expected_hit(decode, prompt),
-            prefills,
-            len(prompt_ids),
+        plan = route(
+            self.policy,
+            self.fleet.candidates("decode"),
+            self.fleet.candidates("prefill"),
+            PromptBlocks(prompt_ids),
             sampling.max_tokens,
+            self.min_prefill_tokens,
         )
-        key = (choice.decision, choice.reason)
+        decode, prefill = plan.decode, plan.prefill
+        key = (plan.disagg.decision, plan.disagg.reason)
         self.decisions[key] = self.decisions.get(key, 0) + 1
-        if choice.decision == "local":
-            self.fleet.dispatched(decode.name, choice.uncached_tokens)
+        if prefill is None:
+            self.fleet.dispatched(decode.name, plan.disagg.uncached_tokens)
             async with aclosing(self._stream(decode.name, prompt_ids, sampling, req_id)) as stream:
                 async for out in stream:
                     yield out
             return
-        prefill = self.policy.choose(prefills, prompt, sampling.max_tokens)
-        self.fleet.dispatched(prefill.name, len(prompt_ids) - expected_hit(prefill, prompt))
+        self.fleet.dispatched(prefill.name, len(prompt_ids) - plan.prefill_hit)
         handed_over: RequestOutput | None = None
         async with aclosing(self._stream(prefill.name, prompt_ids, sampling, req_id, do_remote_decode=True)) as s:
             async for out in s:
