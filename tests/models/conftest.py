@@ -1,8 +1,21 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.models.hf_fixtures import MOE_KINDS, save_hf_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """These models are tiny: a second intra-op thread buys nothing, and on a busy machine every
+    parallel op waits for a thread that is not running. An MoE step is many small ops (a few
+    an expert): its flat-batch tests took 73 s with torch's default threads at load 10 on two
+    cores, 6 s with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=["nemotron_h", "qwen3", "qwen3_5", *MOE_KINDS])
