@@ -56,3 +56,16 @@ def test_tp_loads_failing_on_one_rank_are_failed_loads() -> None:
         assert report.ok, f"{len(report.problems)} problems, stats {report.stats}\n{report.summary()}"
         assert report.stats["one_rank_failed"] > 0
         assert report.stats["decode_failed_loads"] == report.stats["failed_load_reqs"]
+
+
+def test_hybrid_prefix_shapes_hit_locally_on_every_engine() -> None:
+    """The hybrid prefix-caching shapes do take hits where they claim to: the colocated
+    engine, the prefill engine on its own cache, and the decode engine on its own cache
+    before loading the rest (docs/design.md §21); the outputs stay the colocated ones."""
+    totals: dict[str, int] = {}
+    for seed in range(3):
+        report = run_shape(SHAPES["hybrid_pd_prefix"], seed)
+        assert report.ok, f"{len(report.problems)} problems, stats {report.stats}\n{report.summary()}"
+        for key in ("colocated_prefix_hits", "prefill_prefix_hits", "decode_prefix_hits", "loads"):
+            totals[key] = totals.get(key, 0) + report.stats[key]
+    assert all(totals.values()), totals
