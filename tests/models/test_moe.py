@@ -178,3 +178,13 @@ def test_qwen3_moe_sparse_layers_follow_mlp_only_layers_and_step(saved):
     }
     cfg = ModelConfig.from_hf_dict(d)
     assert cfg.moe is not None and cfg.moe.layers == (1, 5)
+
+
+def test_correction_bias_stays_fp32_in_a_bf16_model(saved):
+    """As transformers keeps it: it separates sigmoid scores closer than bf16 can tell apart."""
+    path, ref = saved["nemotron_h_moe"]
+    model = load_model(path, dtype=torch.bfloat16).model
+    ours = model.model.layers[1].mixer.gate
+    assert ours.weight.dtype == torch.bfloat16
+    assert ours.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(ours.e_score_correction_bias, ref.model.layers[1].mixer.gate.e_score_correction_bias)
