@@ -94,10 +94,10 @@ def test_unknown_layer_type_is_named(hf_model, model_dir):
         text[field] = [*text[field][:-1], "cross_attention"] if field == "layers_block_type" else text[field] + "X"
     elif kind.startswith("qwen3_5"):
         text["layer_types"] = [*text["layer_types"][:-1], "sliding_attention"]
-    else:
-        pytest.skip("Qwen3 names no layer types")  # its attention-only stack has none to name
+    else:  # Qwen3 names no layer types: its sliding-window layers are switched on instead
+        text["use_sliding_window"] = True
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"cross_attention|'X'|sliding_attention"):
+    with pytest.raises(ModelLoadError, match=r"cross_attention|'X'|sliding_attention|use_sliding_window"):
         load_model(model_dir)
 
 
