@@ -76,6 +76,12 @@ class _EngineCollector(Collector):
             ),
             (
                 CounterMetricFamily,
+                "raypd_prefix_cache_loaded",
+                "Prompt tokens a decode engine loaded from a prefill engine, past its own prefix hit.",
+                lambda s: s.extra.get("loaded_tokens", 0),
+            ),
+            (
+                CounterMetricFamily,
                 "raypd_kv_blocks_zeroed",
                 "Attention blocks zeroed on allocation.",
                 lambda s: s.blocks_zeroed,

@@ -68,7 +68,8 @@ class LoadStart(enum.Enum):
 
 
 # The engine's stats this component adds (all 0 on a colocated engine).
-STAT_NAMES = ("loading", "held_for_decode", "failed_loads", "expired_leases")
+# `loaded_tokens`: prompt tokens a decode engine's loads supplied, beside its own prefix hits.
+STAT_NAMES = ("loading", "held_for_decode", "failed_loads", "expired_leases", "loaded_tokens")
 
 # The scheduler's way to end a request with an error from here: finish it, and queue its output.
 FailRequest = Callable[[Request, str], None]
@@ -97,6 +98,7 @@ class Disaggregation:
         self.held: dict[str, HeldKV] = {}
         self.num_failed_loads = 0
         self.num_expired_leases = 0
+        self.num_loaded_tokens = 0
 
     # -- both sides -------------------------------------------------------------------
 
@@ -117,7 +119,13 @@ class Disaggregation:
         return bool(self.loaded or self.needs_polling() or self.connector.has_pending_meta)
 
     def stats(self) -> dict[str, int]:
-        values = (len(self.loading), len(self.held), self.num_failed_loads, self.num_expired_leases)
+        values = (
+            len(self.loading),
+            len(self.held),
+            self.num_failed_loads,
+            self.num_expired_leases,
+            self.num_loaded_tokens,
+        )
         return dict(zip(STAT_NAMES, values))
 
     def finished(self, req: Request) -> bool:
@@ -318,6 +326,7 @@ class Disaggregation:
             why = "its KV lease at the prefill engine expired during the load"
         if why is None:
             req.num_computed_tokens += req.num_external_tokens
+            self.num_loaded_tokens += req.num_external_tokens
         else:
             if not self._load_failed(req, why):
                 return

@@ -218,6 +218,9 @@ def test_metrics_parse_and_name_every_family(checkpoint):
         "raypd_kv_blocks_capacity",
         "raypd_kv_blocks_zeroed",
         "raypd_kv_blocks_zero_skipped",
+        "raypd_prefix_cache_queries",
+        "raypd_prefix_cache_hits",
+        "raypd_prefix_cache_loaded",
     }
     assert expected <= set(families)
     outcomes = {s.labels["outcome"]: s.value for s in families["raypd_requests"].samples if s.name.endswith("_total")}

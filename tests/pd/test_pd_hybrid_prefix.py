@@ -60,6 +60,7 @@ def test_pd_hybrid_prefix_hits_equal_outputs_alone(
         stop_actors(prefill, decode)
     assert [[t for t, _, _ in wave] for wave in got] == answers
     assert dec.extra["prefix_cache_hits"] > 0  # the decode engine's own cache, before any load
+    assert dec.extra["loaded_tokens"] > 0  # and the rest loaded
     assert pre.extra["prefix_cache_hits"] > 0
     if fail_percent:
         assert dec.extra["failed_loads"] > 0
