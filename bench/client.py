@@ -29,6 +29,8 @@ class Sample:
     e2e: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    index: int = -1  # which of the spec's prompts
+    text: str = field(default="", repr=False)  # the whole output, to compare runs
 
     @property
     def itls(self) -> list[float]:
@@ -43,7 +45,7 @@ class Sample:
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     model: str
-    prompts: Sequence[str]
+    prompts: Sequence[str | list[int]]  # text, or token ids
     max_tokens: int
     concurrency: int
     duration_s: float
@@ -51,7 +53,9 @@ class LoadSpec:
     api_key: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float) -> Sample:
+async def _one(
+    client: httpx.AsyncClient, spec: LoadSpec, prompt: str | list[int], t0: float, index: int = -1
+) -> Sample:
     body = {
         "model": spec.model,
         "prompt": prompt,
@@ -63,10 +67,11 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float
     }
     start = time.perf_counter()
     stamps: list[float] = []
+    texts: list[str] = []
     usage: dict[str, int] = {}
 
     def failed(kind: str) -> Sample:
-        return Sample(start - t0, False, kind)
+        return Sample(start - t0, False, kind, index=index)
 
     try:
         async with asyncio.timeout(spec.request_timeout_s):
@@ -83,6 +88,7 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float
                         usage = chunk["usage"]
                     elif chunk["choices"] and chunk["choices"][0]["text"]:
                         stamps.append(time.perf_counter())
+                        texts.append(chunk["choices"][0]["text"])
     except TimeoutError:
         return failed("timeout")
     except httpx.ConnectError:
@@ -100,6 +106,8 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, t0: float
         stamps[-1] - start,
         usage.get("prompt_tokens", 0),
         usage.get("completion_tokens", len(stamps)),
+        index,
+        "".join(texts),
     )
 
 
@@ -123,13 +131,13 @@ async def run_load(
     samples: list[Sample] = []
     async with _client(url, spec) as client:
         t0 = time.perf_counter()
-        queue = iter(spec.prompts)
+        queue = iter(enumerate(spec.prompts))
 
         async def user() -> None:
-            for prompt in queue:  # shared iterator: each prompt goes to exactly one user
+            for index, prompt in queue:  # shared iterator: each prompt goes to exactly one user
                 if time.perf_counter() - t0 > spec.duration_s:
                     return
-                sample = await _one(client, spec, prompt, t0)
+                sample = await _one(client, spec, prompt, t0, index)
                 samples.append(sample)
                 on_done(sample)
 

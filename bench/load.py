@@ -3,12 +3,15 @@
 
     python -m bench.load --url http://HOST:8000 [--requests 500] [--concurrency 32] [--out PREFIX]
     python -m bench.load [--layouts 0x1,1x1] [--requests 200] [any `python -m serve` flag]
+    python -m bench.load --layouts 2x2 --workload shared-prefix --compare router=round_robin,cache_aware
 
 With `--url` it drives a running server (a cluster deployment, a `ray job submit` job). Without,
 it starts each layout `PxD` (P prefill and D decode engines; `0xD`: D colocated engines) on a
-local cluster in turn and compares them as ratios to the first. Prompts are the model's eval
-prompts (`--model DIR`/eval.jsonl); every request streams exactly `--max-tokens` tokens
-(`ignore_eos`), so layouts do the same work. Writes PREFIX.json (every number) and PREFIX.png
+local cluster in turn and compares them as ratios to the first; `--compare FIELD=A,B` runs each
+layout once per value of one config field (a router, a threshold) and checks that every run
+gave the same outputs. Prompts are the model's eval prompts (`--model DIR`/eval.jsonl), or token
+ids from `--workload` (bench/workloads.py); every request streams exactly `--max-tokens` tokens
+(`ignore_eos`), so runs do the same work. Writes PREFIX.json (every number) and PREFIX.png
 (latency CDFs, throughput over time) and prints one line per run.
 """
 
@@ -18,24 +21,28 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from tqdm import tqdm
 
 from actors.ports import free_port
 from bench.client import LoadSpec, Sample, run_load, warm_up
 from bench.load_plot import plot_runs
-from bench.server_metrics import breakdown, wait_idle
+from bench.server_metrics import breakdown, pd_decisions, wait_idle
 from bench.stats import Slo, summarize
-from engine.config import Config
+from bench.workloads import shared_prefix, short_long
+from engine.config import FIELDS, Config, ConfigError
 from serve import launch
 from serve.config import parse_args as parse_serve_args
 
 IDLE_TIMEOUT_S = 60.0
+SHORT_PROMPT_TOKENS = 64  # a run with prompts on both sides also reports the short ones' TTFT
 
 
 def _served_model(url: str, api_key: str | None) -> str:
@@ -53,7 +60,17 @@ def measure(url: str, spec: LoadSpec, slo: Slo, label: str) -> tuple[dict[str, A
     with tqdm(total=len(spec.prompts), desc=label, unit="req", file=sys.stderr, leave=False) as bar:
         samples, wall = asyncio.run(run_load(url, spec, lambda s: bar.update()))
     after = wait_idle(url, spec.api_key, IDLE_TIMEOUT_S)
-    report = {"label": label, **summarize(samples, wall, slo, len(spec.prompts)), "server": breakdown(before, after)}
+    server = breakdown(before, after)
+    report = {
+        "label": label,
+        **summarize(samples, wall, slo, len(spec.prompts)),
+        "prefix_cache_hit_tokens": sum(row["prefix_cache_hits"] for row in server.values()),
+        "pd_decisions": pd_decisions(url, spec.api_key),
+        "server": server,
+    }
+    short = [s.ttft for s in samples if s.ok and s.prompt_tokens <= SHORT_PROMPT_TOKENS]
+    if short and len(short) < len([s for s in samples if s.ok]):
+        report["median_short_ttft_ms"] = 1e3 * statistics.median(short)
     return report, samples, wall
 
 
@@ -62,8 +79,19 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['label']:>8}  {r['completed']}/{r['num_prompts']} ok, {r['failed']} failed  "
         f"{r['request_throughput']:6.2f} req/s  {r['output_throughput']:8.1f} tok/s  "
         f"goodput {r['request_goodput']:6.2f} req/s  TTFT p50 {r['median_ttft_ms']:7.1f} ms  "
-        f"TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p99 {r['p99_itl_ms']:7.1f} ms"
+        f"TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p99 {r['p99_itl_ms']:7.1f} ms  "
+        f"prefix hits {r['prefix_cache_hit_tokens']:.0f} tok"
+        + (f"  short TTFT p50 {r['median_short_ttft_ms']:7.1f} ms" if "median_short_ttft_ms" in r else "")
+        + (f"  outputs equal {r['outputs_equal_to_first']}" if "outputs_equal_to_first" in r else "")
     )
+
+
+def _compare(text: str) -> tuple[str, list[Any]]:
+    name, _, values = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in FIELDS or not values:
+        raise argparse.ArgumentTypeError(f"--compare {text!r} is not FIELD=VALUE,VALUE with FIELD a config field")
+    return name, [yaml.safe_load(v) for v in values.split(",")]
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -98,6 +126,18 @@ def _flags(parser: argparse.ArgumentParser) -> None:
         default=[(0, 1), (1, 1)],
         help="without --url: comma-separated PxD layouts; ratios are against the first (default 0x1,1x1)",
     )
+    parser.add_argument(
+        "--compare",
+        type=_compare,
+        help="without --url: run each layout once per value of one config field, e.g. router=round_robin,cache_aware",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("eval", "shared-prefix", "short-long"),
+        default="eval",
+        help="the model's eval prompts, or token ids: system prompts shared by many requests, or short and long "
+        "prompts mixed (bench/workloads.py)",
+    )
     parser.add_argument("--requests", type=_at_least(1), default=200)
     parser.add_argument("--concurrency", type=_at_least(1), default=32)
     parser.add_argument("--max-tokens", type=_at_least(2), default=32, help="at least 2, to time a token gap")
@@ -118,6 +158,16 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _prompts(workload: str, model: Path, n: int) -> list[str | list[int]]:
+    if workload == "eval":
+        lines = (model / "eval.jsonl").read_text().splitlines()
+        texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+        return [texts[i % len(texts)] for i in range(n)]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    make = shared_prefix if workload == "shared-prefix" else short_long
+    return list(make(n, vocab))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -130,9 +180,7 @@ def _main(argv: list[str] | None) -> int:
     args = parse_serve_args(argv, extra=_flags)
     base: Config = args.config
     key = base.api_keys[0] if base.api_keys else None  # any one of the server's keys will do
-    lines = (Path(base.model) / "eval.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
-    prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
+    prompts = _prompts(args.workload, Path(base.model), args.requests)
     slo = Slo(args.goodput_ttft_ms, args.goodput_tpot_ms)
 
     def spec(model: str) -> LoadSpec:
@@ -147,15 +195,28 @@ def _main(argv: list[str] | None) -> int:
         reports.append(report)
         runs.append(("server", samples, wall))
     else:
+        field, values = args.compare or (None, [None])
         for prefill, decode in args.layouts:
-            cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=free_port())
-            dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
-            try:
-                report, samples, wall = measure(dep.url, spec(cfg.model_name), slo, f"{prefill}x{decode}")
-            finally:
-                launch.stop(dep)
-            reports.append(report)
-            runs.append((report["label"], samples, wall))
+            for value in values:
+                changed = {field: value} if field else {}
+                try:
+                    cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=free_port(), **changed)
+                except ConfigError as e:
+                    print(f"bench.load: --compare: {e}", file=sys.stderr)
+                    return 2
+                label = f"{prefill}x{decode}" + (f" {field}={value}" if field else "")
+                dep = launch.start(cfg, include_dashboard=False, log_to_driver=False)
+                try:
+                    report, samples, wall = measure(dep.url, spec(cfg.model_name), slo, label)
+                finally:
+                    launch.stop(dep)
+                reports.append(report)
+                runs.append((label, samples, wall))
+                outputs = {s.index: s.text for s in samples if s.ok}
+                if runs[0][0] != label:
+                    first = {s.index: s.text for s in runs[0][1] if s.ok}
+                    same = [i for i in outputs if i in first and outputs[i] == first[i]]
+                    report["outputs_equal_to_first"] = f"{len(same)}/{len(outputs)}"
         first = reports[0]
         for r in reports:
             r["output_throughput_ratio"] = r["output_throughput"] / first["output_throughput"]

@@ -18,6 +18,8 @@ _COUNTERS = {
     "kv_transfer_descriptors": "raypd_kv_transfer_descriptors_total",
     "kv_transfer_failed": "raypd_kv_transfer_failed_total",
     "kv_lease_expired": "raypd_kv_lease_expired_total",
+    "prefix_cache_queries": "raypd_prefix_cache_queries_total",
+    "prefix_cache_hits": "raypd_prefix_cache_hits_total",
 }
 
 
@@ -75,3 +77,15 @@ def wait_idle(url: str, api_key: str | None, timeout_s: float, poll_s: float = 0
         if not any(busy) or time.monotonic() > deadline:
             return values
         time.sleep(poll_s)
+
+
+def pd_decisions(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, float]:
+    """`raypd_pd_decisions_total` as "decision/reason" -> requests, since the server started."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(url + "/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
+    return {
+        f"{s.labels['decision']}/{s.labels['reason']}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "raypd_pd_decisions_total"
+    }
