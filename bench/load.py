@@ -36,7 +36,7 @@ from bench.client import LoadSpec, Sample, run_load, warm_up
 from bench.load_plot import plot_runs
 from bench.server_metrics import breakdown, pd_decisions, wait_idle
 from bench.stats import Slo, summarize
-from bench.workloads import shared_prefix, short_long
+from bench.workloads import shared_prefix, short_long, systems_and_chats
 from engine.config import FIELDS, Config, ConfigError
 from serve import launch
 from serve.config import parse_args as parse_serve_args
@@ -133,10 +133,10 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=("eval", "shared-prefix", "short-long"),
+        choices=("eval", "shared-prefix", "short-long", "systems-and-chats"),
         default="eval",
-        help="the model's eval prompts, or token ids: system prompts shared by many requests, or short and long "
-        "prompts mixed (bench/workloads.py)",
+        help="the model's eval prompts, or token ids: system prompts shared by many requests, short and long "
+        "prompts mixed, or system prompts then multi-turn chats (bench/workloads.py)",
     )
     parser.add_argument("--requests", type=_at_least(1), default=200)
     parser.add_argument("--concurrency", type=_at_least(1), default=32)
@@ -164,7 +164,7 @@ def _prompts(workload: str, model: Path, n: int) -> list[str | list[int]]:
         texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
         return [texts[i % len(texts)] for i in range(n)]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    make = shared_prefix if workload == "shared-prefix" else short_long
+    make = {"shared-prefix": shared_prefix, "short-long": short_long, "systems-and-chats": systems_and_chats}[workload]
     return list(make(n, vocab))
 
 

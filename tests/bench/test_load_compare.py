@@ -3,10 +3,12 @@ bad field or value is a usage error naming it, before any deployment starts."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from bench.load import main
-from bench.workloads import shared_prefix, short_long
+from bench.workloads import shared_prefix, short_long, systems_and_chats
 
 
 def test_shared_prefix_prompts_share_their_system_prompt_and_differ_after_it():
@@ -33,3 +35,13 @@ def test_a_bad_compare_is_refused_by_name(capsys, arg, message):
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_systems_and_chats_grow_each_chat_turn_by_turn():
+    prompts = systems_and_chats(20, vocab=96, num_systems=2, system_tokens=32, chats=3, turns=4, turn_tokens=8)
+    shared, chats = prompts[:8], prompts[8:]
+    assert all(p[:32] == shared[i % 2][:32] for i, p in enumerate(shared))
+    for c in range(3):
+        turns = chats[c::3]
+        assert len(turns) == 4
+        assert all(b[: len(a)] == a and len(b) == len(a) + 8 for a, b in itertools.pairwise(turns))
