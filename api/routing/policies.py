@@ -54,7 +54,9 @@ class Policy(ABC):
     name: RouterPolicy
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        # One turn per role: a PD request takes a turn from each, and a shared counter would
+        # pair decode engine i with prefill engine i + 1 for ever.
+        self._turns: dict[str, itertools.count[int]] = {}
 
     def choose(self, candidates: Sequence[EngineState], prompt: PromptBlocks, max_tokens: int) -> EngineState:
         if not candidates:
@@ -65,7 +67,8 @@ class Policy(ABC):
     def _choose(self, candidates: Sequence[EngineState], prompt: PromptBlocks, max_tokens: int) -> EngineState: ...
 
     def _in_turn(self, tied: Sequence[EngineState]) -> EngineState:
-        return tied[next(self._turn) % len(tied)]
+        turn = self._turns.setdefault(tied[0].role, itertools.count())
+        return tied[next(turn) % len(tied)]
 
 
 class RoundRobin(Policy):

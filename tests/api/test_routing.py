@@ -75,6 +75,11 @@ def test_ties_go_round_in_turn_and_dispatches_count_until_the_next_summary():
     for policy in (RoundRobin(), LeastLoaded(), CacheAware()):
         states = [state(n) for n in "abc"]
         assert [policy.choose(states, prompt, 8).name for _ in range(6)] == list("abcabc")
+    # Each role takes its own turns: a PD request's two choices do not pair engines for ever.
+    policy = RoundRobin()
+    prefill, decode = [state(n, role="prefill") for n in "pq"], [state(n) for n in "de"]
+    pairs = [(policy.choose(decode, prompt, 8).name, policy.choose(prefill, prompt, 8).name) for _ in range(4)]
+    assert pairs == [("d", "p"), ("e", "q"), ("d", "p"), ("e", "q")]
     # Between summaries the router's own dispatches make an engine look busier.
     a, b = state("a", cached_prompt=SYSTEM), state("b")
     policy = CacheAware()
