@@ -164,8 +164,12 @@ def _prompts(workload: str, model: Path, n: int) -> list[str | list[int]]:
         texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
         return [texts[i % len(texts)] for i in range(n)]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    make = {"shared-prefix": shared_prefix, "short-long": short_long, "systems-and-chats": systems_and_chats}[workload]
-    return list(make(n, vocab))
+    makers: dict[str, Callable[[int, int], list[list[int]]]] = {
+        "shared-prefix": shared_prefix,
+        "short-long": short_long,
+        "systems-and-chats": systems_and_chats,
+    }
+    return list(makers[workload](n, vocab))
 
 
 def main(argv: list[str] | None = None) -> int:
