@@ -78,15 +78,18 @@ class EngineCalls:
 
     @classmethod
     def remote(cls, slot: ActorSlot) -> EngineCalls:
-        """An `EngineActor`, reached through whatever handle `slot` holds at call time."""
+        """An `EngineActor`, reached through whatever handle `slot` holds at call time. The
+        engine sends this client only its own requests' outputs (actors/output_mux.py): other
+        API replicas are clients of the same engine."""
+        client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
         async def add(req_id: str, ids: list[int], sp: SamplingParams, **kw: Any) -> None:
-            await _unowned(slot.handle.add_request.remote, req_id, ids, sp, **kw)
+            await _unowned(slot.handle.add_request.remote, req_id, ids, sp, client_id=client_id, **kw)
 
         async def abort(req_id: str) -> None:
             await _unowned(slot.handle.abort.remote, req_id)
 
-        outputs = RemoteOutputs(slot)
+        outputs = RemoteOutputs(slot, client_id)
         return cls(add, abort, outputs.get, outputs.close)
 
 
@@ -95,8 +98,9 @@ class RemoteOutputs:
     channel when it is on this node (actors/output_channel.py), by Ray calls when not. A new
     handle in the slot (a replaced engine) is asked for its channel at the next call."""
 
-    def __init__(self, slot: ActorSlot) -> None:
+    def __init__(self, slot: ActorSlot, client_id: str = "") -> None:
         self._slot = slot
+        self._client_id = client_id
         self._handle: Any = None
         self._feed: OutputFeed | None = None
 
@@ -104,12 +108,12 @@ class RemoteOutputs:
         handle = self._slot.handle
         if handle is not self._handle:
             await self.close()
-            node, address, pid = await _unowned(handle.open_output_channel.remote, os.getpid())
+            node, address, pid = await _unowned(handle.open_output_channel.remote, os.getpid(), self._client_id)
             here = ray.get_runtime_context().get_node_id()
             self._feed = OutputFeed(address, pid) if node == here else None
             self._handle = handle
         if self._feed is None:
-            return await _unowned(handle.get_outputs.remote, timeout)
+            return await _unowned(handle.get_outputs.remote, timeout, self._client_id)
         try:
             return await self._feed.get(timeout)
         except ConnectionError:
@@ -199,6 +203,11 @@ class EngineClient:
 
     async def abort(self, req_id: str) -> None:
         await self.calls.abort(req_id)
+
+    @property
+    def num_active(self) -> int:
+        """Requests this client is streaming."""
+        return len(self._queues)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():

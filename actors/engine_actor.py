@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.lease import LeaseRenewer
 from actors.output_channel import OutputServer
+from actors.output_mux import OutputMux
 from actors.ports import free_port
 from actors.process import freeze_startup_objects, keep_off
 from actors.step_channel import StepChannel
@@ -68,7 +69,9 @@ class EngineActor:
         self._channels = _step_channels(self.workers)
         executors = [ch or w.execute_model.remote for ch, w in zip(self._channels, self.workers, strict=True)]
         self.core = make_engine(self.config, layouts[0], executors, disagg)
-        self._outputs = OutputServer(lambda: self.core.get_outputs(None))
+        # One queue and one output channel per client (API replica): actors/output_mux.py.
+        self._mux = OutputMux(lambda: self.core.get_outputs(None), self.core.abort)
+        self._outputs: dict[str, OutputServer] = {}
         self._lease_peers: dict[str, Any] = {}  # decode side: prefill engine id -> its actor handle
         self._renewer: asyncio.Task[None] | None = None
         freeze_startup_objects()
@@ -120,20 +123,30 @@ class EngineActor:
         sampling: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
         do_remote_decode: bool = False,
+        client_id: str = "",
     ) -> None:
-        self.core.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params, do_remote_decode)
+        """`client_id`: the client (API replica) whose `get_outputs` gets this request's outputs."""
+        self._mux.own(req_id, client_id)
+        try:
+            self.core.add_request(req_id, prompt_token_ids, sampling, kv_transfer_params, do_remote_decode)
+        except BaseException:
+            self._mux.disown(req_id)
+            raise
 
     async def abort(self, req_id: str) -> None:
         self.core.abort(req_id)
 
-    async def get_outputs(self, timeout: float) -> list[OutputBatch]:
-        return await self.core.get_outputs(timeout)
+    async def get_outputs(self, timeout: float, client_id: str = "") -> list[OutputBatch]:
+        return await self._mux.get(client_id, timeout)
 
-    async def open_output_channel(self, client_pid: int) -> tuple[str, str, int]:
-        """This engine's node, the address it pushes its outputs to and its pid: a client on the
-        same node, process `client_pid`, reads them there instead of calling `get_outputs`
-        (actors/output_channel.py)."""
-        address = await self._outputs.open_for(client_pid)
+    async def open_output_channel(self, client_pid: int, client_id: str = "") -> tuple[str, str, int]:
+        """This engine's node, the address it pushes `client_id`'s outputs to and its pid: a
+        client on the same node, process `client_pid`, reads them there instead of calling
+        `get_outputs` (actors/output_channel.py)."""
+        server = self._outputs.get(client_id)
+        if server is None:
+            server = self._outputs[client_id] = OutputServer(lambda: self._mux.get(client_id, None))
+        address = await server.open_for(client_pid)
         return ray.get_runtime_context().get_node_id(), address, os.getpid()
 
     async def inject_worker_faults(self, num_steps: int) -> None:
@@ -162,7 +175,8 @@ class EngineActor:
     async def shutdown(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
-        await self._outputs.close()
+        await asyncio.gather(*(server.close() for server in self._outputs.values()))
+        await self._mux.close()
         await self.core.close()
         await asyncio.gather(*(ch.close() for ch in self._channels if ch is not None))
         await asyncio.gather(*(w.shutdown.remote() for w in self.workers))

@@ -37,7 +37,10 @@ def serve_remote(
     async def main():
         calls = EngineCalls.remote(ActorSlot(engine))
         if not output_channel:  # as a client on another node does
-            calls = dataclasses.replace(calls, get_outputs=lambda timeout: engine.get_outputs.remote(timeout))
+            client_id = calls.get_outputs.__self__._client_id
+            calls = dataclasses.replace(
+                calls, get_outputs=lambda timeout: engine.get_outputs.remote(timeout, client_id)
+            )
         client = EngineClient(calls)
         got = await serve_all(client, reqs)
         if output_channel:  # this process is on the engine's node: they came over the socket
@@ -64,6 +67,36 @@ def test_ray_engine_equals_alone(ray_cluster, tmp_path, async_scheduling, output
     reqs = workload(32, seed=3)
     got, stats = serve_remote(cfg, reqs, output_channel)
     assert got == alone(str(tmp_path), reqs)
+    assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_two_clients_of_one_engine_each_get_their_own_outputs(ray_cluster, tmp_path):
+    """Two API replicas share every engine: each client's requests' outputs reach that client
+    alone (actors/output_mux.py), one over its output channel and one by polling, and both
+    equal the model alone."""
+    save_hf_model("nemotron_h", tmp_path)
+    cfg = config(tmp_path, max_num_seqs=32, max_num_batched_tokens=128)
+    reqs = workload(24, seed=6)
+    engine = RemoteEngine.remote(cfg.to_dict())
+    ray.get(engine.ready.remote())
+
+    async def main():
+        channel = EngineCalls.remote(ActorSlot(engine))
+        polled = EngineCalls.remote(ActorSlot(engine))
+        client_id = polled.get_outputs.__self__._client_id
+        polled = dataclasses.replace(polled, get_outputs=lambda timeout: engine.get_outputs.remote(timeout, client_id))
+        clients = [EngineClient(channel), EngineClient(polled)]
+        halves = await asyncio.gather(serve_all(clients[0], reqs[::2]), serve_all(clients[1], reqs[1::2]))
+        await asyncio.gather(*(c.close() for c in clients))
+        return halves
+
+    try:
+        evens, odds = asyncio.run(asyncio.wait_for(main(), 120))
+        stats = ray.get(engine.wait_idle.remote())
+    finally:
+        stop_actors(engine)
+    want = alone(str(tmp_path), reqs)
+    assert evens == want[::2] and odds == want[1::2]
     assert stats.num_blocks_free == stats.num_blocks_total
 
 

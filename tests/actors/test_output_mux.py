@@ -1,0 +1,77 @@
+"""An engine's outputs split among its clients (actors/output_mux.py): each client gets its own
+requests' outputs in order, unowned ones go only to a client "" that asked, and a client that
+stops reading has its requests aborted."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.output_mux import OutputMux, split
+from engine.messages import OutputBatch, RequestOutput
+
+
+def _batch(tokens: dict[str, int], finished: tuple[str, ...] = ()) -> OutputBatch:
+    return OutputBatch(
+        req_ids=list(tokens),
+        token_ids=list(tokens.values()),
+        num_prompt_tokens=[3] * len(tokens),
+        num_output_tokens=[1] * len(tokens),
+        others=[RequestOutput(r, [], None, "stop") for r in finished],
+    )
+
+
+def test_split_keeps_each_clients_outputs_in_order():
+    batch = _batch({"a1": 10, "b1": 20, "a2": 11}, finished=("b1", "a1"))
+    parts = split(batch, lambda r: r[0])
+    assert parts["a"].req_ids == ["a1", "a2"] and parts["a"].token_ids == [10, 11]
+    assert [o.req_id for o in parts["a"].others] == ["a1"]
+    assert parts["b"].req_ids == ["b1"] and [o.req_id for o in parts["b"].others] == ["b1"]
+
+
+def test_a_batch_of_one_client_is_passed_whole():
+    batch = _batch({"a1": 1, "a2": 2})
+    assert split(batch, lambda r: "a")["a"] is batch
+
+
+class _Core:
+    """The core's side: batches published, aborts recorded."""
+
+    def __init__(self) -> None:
+        self.published: asyncio.Queue[list[OutputBatch]] = asyncio.Queue()
+        self.aborted: list[str] = []
+
+    async def take(self) -> list[OutputBatch]:
+        return await self.published.get()
+
+
+def test_each_client_gets_its_requests_and_unowned_outputs_need_a_reader():
+    async def main():
+        core = _Core()
+        mux = OutputMux(core.take, core.aborted.append)
+        mux.own("a1", "A")
+        mux.own("b1", "B")
+        core.published.put_nowait([_batch({"a1": 1, "b1": 2, "x": 3})])
+        a, b = await mux.get("A", 5), await mux.get("B", 5)
+        assert [list(x.req_ids) for x in a] == [["a1"]] and [list(x.req_ids) for x in b] == [["b1"]]
+        assert await mux.get("", 0.05) == []  # "x" came before client "" asked: dropped
+        core.published.put_nowait([_batch({"x": 4}, finished=("a1",))])
+        assert [o.req_id for x in await mux.get("A", 5) for o in x.others] == ["a1"]
+        assert [list(x.req_ids) for x in await mux.get("", 5)] == [["x"]]
+        await mux.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_client_that_stops_reading_has_its_requests_aborted():
+    async def main():
+        core = _Core()
+        mux = OutputMux(core.take, core.aborted.append, stale_s=0.0)
+        mux.own("a1", "A")
+        mux.own("b1", "B")
+        core.published.put_nowait([_batch({"a1": 1})])
+        while not core.aborted:
+            await asyncio.sleep(0.01)
+        await mux.close()
+        return core.aborted
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == ["a1"]
