@@ -104,13 +104,28 @@ def _read_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must map field names to values, not be a {type(data).__name__}")
+    return _fields(data, f"config file {path}")
+
+
+def _fields(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    """`data`'s keys as field names (`max-num-seqs` is `max_num_seqs`); an unknown key is an error."""
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
-            raise ConfigError(unknown_name(f"unknown key {key!r} in config file {path}", name, FIELDS))
+            raise ConfigError(unknown_name(f"unknown key {key!r} in {where}", name, FIELDS))
         values[name] = value
     return values
+
+
+def config_from_args(args: Mapping[str, Any], where: str = "the application's args") -> Config:
+    """The Config of a Serve application's `args` (`serve run serve.app:build prefill=2 ...`,
+    or `args:` in a Serve config file): field names as keys, values as in a YAML file."""
+    values = _fields(args, where)
+    try:
+        return Config(**{name: _parse(name, value) for name, value in values.items()})
+    except ConfigError as e:
+        raise ConfigError(f"{e} (from {where})", e.field) from None
 
 
 def config_from(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:

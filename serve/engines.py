@@ -25,6 +25,7 @@ from actors.client import engine_lost
 from actors.engine_actor import RemoteEngine
 from engine.build import Role
 from engine.config import Config
+from engine.messages import EngineStats
 from serve.placement import engine_options, worker_options
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ def engine_dead(error: BaseException) -> bool:
 
 class EngineSupervisor:
     """Looks at every engine each `interval_s` and replaces the failed ones. `on_replaced`
-    gets the new handle, so the router's clients reach the new actor."""
+    gets the new handle, so the routers' clients reach the new actor. The engine set may change
+    while it runs (`add`, `remove`: the controller's autoscaling, serve/controller.py); each
+    probe's answer is kept in `latest` for the autoscaler to read."""
 
     def __init__(
         self,
@@ -129,28 +132,48 @@ class EngineSupervisor:
         on_replaced: Callable[[str, Any], None],
         interval_s: float = 0.5,
         probe_timeout_s: float = 5.0,
+        roles: dict[str, Role] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.roles = engine_roles(cfg)
+        self.roles = dict(engine_roles(cfg) if roles is None else roles)
         self.handles = dict(handles)
         self.on_replaced = on_replaced
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.num_replaced = 0
+        self.latest: dict[str, EngineStats] = {}
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            for name in list(self.roles):
-                if await self._failed(name):
-                    try:
-                        await self.replace(name)
-                    except Exception:
-                        log.exception("could not replace engine %s; trying again", name)
+            await self.check()
+
+    async def check(self) -> None:
+        """Probe every engine once, replacing those that failed."""
+        for name in list(self.roles):
+            if name in self.roles and await self._failed(name):
+                try:
+                    await self.replace(name)
+                except Exception:
+                    log.exception("could not replace engine %s; trying again", name)
+
+    def names(self, role: Role) -> list[str]:
+        return [n for n, r in self.roles.items() if r == role]
+
+    def add(self, name: str, role: Role, handle: Any) -> None:
+        """Watch a new engine (already wired: `wire`)."""
+        self.roles[name] = role
+        self.handles[name] = handle
+
+    def remove(self, name: str) -> Any:
+        """Stop watching `name` (it is being stopped); its handle."""
+        del self.roles[name]
+        self.latest.pop(name, None)
+        return self.handles.pop(name)
 
     async def _failed(self, name: str) -> bool:
         try:
-            await asyncio.wait_for(self.handles[name].stats.remote(), self.probe_timeout_s)
+            self.latest[name] = await asyncio.wait_for(self.handles[name].stats.remote(), self.probe_timeout_s)
         except TimeoutError:
             return False  # busy is not dead
         except Exception as e:
@@ -168,21 +191,28 @@ class EngineSupervisor:
             log.debug("engine %s was already gone", name, exc_info=True)
         handle = await self._create(name, role)
         await handle.ready.remote()
-        names = engine_names(self.cfg)
-        if role == "decode":
-            peers = await asyncio.gather(*(self.handles[n].nixl_peers.remote() for n in names["prefill"]))
-            await handle.add_nixl_peers.remote([p for ps in peers for p in ps])
-            await handle.set_lease_peers.remote({n: self.handles[n] for n in names["prefill"]})
-        elif role == "prefill":
-            # The dead incarnation's agents go first: never read from again (docs/design.md §12).
-            await asyncio.gather(*(self.handles[n].forget_nixl_engine.remote(name) for n in names["decode"]))
-            peers = await handle.nixl_peers.remote()
-            await asyncio.gather(*(self.handles[n].add_nixl_peers.remote(peers) for n in names["decode"]))
-            await asyncio.gather(*(self.handles[n].set_lease_peers.remote({name: handle}) for n in names["decode"]))
+        await self.wire(name, role, handle)
         self.handles[name] = handle
         self.num_replaced += 1
         self.on_replaced(name, handle)
         log.warning("engine %s is back", name)
+
+    async def wire(self, name: str, role: Role, handle: Any) -> None:
+        """Connect a new (or re-created) engine to the others: a decode engine gets every prefill
+        worker's NIXL agent and the prefill engines' handles for its leases; a prefill engine's
+        agents go to every decode engine, after any earlier incarnation's."""
+        if role == "decode":
+            prefill = self.names("prefill")
+            peers = await asyncio.gather(*(self.handles[n].nixl_peers.remote() for n in prefill))
+            await handle.add_nixl_peers.remote([p for ps in peers for p in ps])
+            await handle.set_lease_peers.remote({n: self.handles[n] for n in prefill})
+        elif role == "prefill":
+            decode = [n for n in self.names("decode") if n != name]
+            # The dead incarnation's agents go first: never read from again (docs/design.md §12).
+            await asyncio.gather(*(self.handles[n].forget_nixl_engine.remote(name) for n in decode))
+            peers = await handle.nixl_peers.remote()
+            await asyncio.gather(*(self.handles[n].add_nixl_peers.remote(peers) for n in decode))
+            await asyncio.gather(*(self.handles[n].set_lease_peers.remote({name: handle}) for n in decode))
 
     async def _create(self, name: str, role: Role) -> Any:
         """The dead actor's name is freed a moment after the kill; until then creation fails."""

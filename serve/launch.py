@@ -2,10 +2,12 @@
 
 `start` undoes what it did if it fails part-way, and `stop` takes down only what `start`
 created: an existing cluster (`--address`) keeps running, and so do other Serve apps on it.
+The engines belong to the engine controller (serve/controller.py), which `start` creates and
+`stop` stops with them.
 
-Detached (`--detach`, on an existing cluster, e.g. from `ray job submit`): the engines are
-detached named actors anyway and the Serve app lives in Serve's own detached controller, so
-`leave` only disconnects and the service outlives the driver; `stop_detached`
+Detached (`--detach`, on an existing cluster, e.g. from `ray job submit`): the controller and
+the engines are detached named actors anyway and the Serve app lives in Serve's own detached
+controller, so `leave` only disconnects and the service outlives the driver; `stop_detached`
 (`python -m serve --stop`) finds them by name later and takes them down.
 """
 
@@ -23,7 +25,8 @@ from ray.serve.exceptions import RayServeException
 
 from engine.config import Config
 from serve.app import build_app
-from serve.engines import NAMESPACE, start_engines, stop_engines
+from serve.controller import CONTROLLER_NAME, RemoteController, controller_options, stop_controller
+from serve.engines import NAMESPACE, stop_engines
 
 APP_NAME = "raypd"
 
@@ -33,7 +36,8 @@ class Deployment:
     cfg: Config
     started_cluster: bool = False  # a local cluster this process started (and stops)
     connected: bool = False  # this process called ray.init (and disconnects)
-    engines: dict[str, Any] = field(default_factory=dict)  # name -> EngineActor handle
+    engines: dict[str, Any] = field(default_factory=dict)  # the engines started: name -> EngineActor handle
+    controller: Any = None  # the engine controller this process created (and stops)
     serving: bool = False
 
     @property
@@ -65,10 +69,13 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
             else:
                 _join(cfg)
             dep.connected = True
-        names = start_engines(cfg, dep.engines)
+        dep.controller = RemoteController.options(**controller_options(get_if_exists=False)).remote(cfg.to_dict())
+        engines = ray.get(dep.controller.start.remote())
+        dep.engines.update(engines.prefill)
+        dep.engines.update(engines.decode)
         serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"log_level": cfg.log_level})
         dep.serving = True
-        serve.run(build_app(cfg, names, NAMESPACE), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(cfg, NAMESPACE), name=APP_NAME, route_prefix="/")
     except BaseException:
         stop(dep)
         raise
@@ -107,7 +114,10 @@ def stop(dep: Deployment) -> None:
             else:
                 serve.delete(APP_NAME)
     finally:
-        stop_engines(list(dep.engines))  # by name: replacements too
+        if dep.controller is not None:
+            stop_controller()  # the engines it owns, scaled ones too
+            dep.controller = None
+        stop_engines(list(dep.engines))  # by name, should any have outlived the controller
         dep.engines.clear()
         if dep.connected:
             ray.shutdown()
@@ -126,12 +136,13 @@ def stop_detached(cfg: Config) -> list[str]:
     try:
         with contextlib.suppress(RayServeException):  # no Serve on the cluster: no app to delete
             serve.delete(APP_NAME)
+        stopped = stop_controller()  # first: it would replace the engines stopped below
         names = sorted(
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-")
+            if a["namespace"] == NAMESPACE and a["name"].startswith("raypd-") and a["name"] != CONTROLLER_NAME
         )
         stop_engines(names)
-        return names
+        return sorted({*stopped, *names})
     finally:
         ray.shutdown()

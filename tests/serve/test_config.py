@@ -12,6 +12,7 @@ from engine.config import DEFAULT_MODEL, Config, ConfigError, format_size, parse
 from serve.config import (
     add_cli_args,
     config_from,
+    config_from_args,
     load_config,
     load_config_or_exit,
     parse_args,
@@ -291,3 +292,40 @@ def test_dict_round_trip() -> None:
     assert Config.from_dict(data) == config
     with pytest.raises(ConfigError, match="unknown config field 'prot'"):
         Config.from_dict({"prot": 1})
+
+
+def test_engine_ranges_default_to_the_started_counts() -> None:
+    cfg = load_config(["--prefill", "2", "--decode", "3"])
+    assert cfg.engine_range("prefill") == (2, 2) and cfg.engine_range("decode") == (3, 3)
+    assert not cfg.autoscaling
+    cfg = load_config(
+        ["--prefill", "1", "--decode", "1", "--max-prefill", "2", "--min-decode", "1", "--max-decode", "4"]
+    )
+    assert cfg.engine_range("prefill") == (1, 2) and cfg.engine_range("decode") == (1, 4)
+    assert cfg.autoscaling
+    assert cfg.inflight_limit == 4 * (cfg.max_num_seqs + cfg.max_waiting)  # what the most engines hold
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill", "1", "--decode", "2", "--min-decode", "3"], "invalid min_decode 3: more than the 2 decode"),
+        (["--prefill", "2", "--max-prefill", "1"], "invalid max_prefill 1: fewer than the 2 prefill"),
+        (["--prefill", "0", "--max-prefill", "2"], "invalid max_prefill 2: colocated engines"),
+        (["--api-replicas", "0"], "invalid api_replicas 0: must be >= 1"),
+        (["--scale-decode-kv-percent", "101"], "invalid scale_decode_kv_percent 101: must be in 1..100"),
+    ],
+)
+def test_bad_scaling_values_name_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+def test_serve_application_args_are_config_fields() -> None:
+    """`serve run serve.app:build prefill=2 ...` passes text; a config file's `args:` YAML values."""
+    cfg = config_from_args({"prefill": "2", "max-decode": 3, "api_replicas": "2"})
+    assert (cfg.prefill, cfg.engine_range("decode"), cfg.api_replicas) == (2, (1, 3), 2)
+    with pytest.raises(ConfigError, match=r"unknown key 'prefil' in the application's args \(did you mean 'prefill'"):
+        config_from_args({"prefil": 2})
+    with pytest.raises(ConfigError, match=r"invalid decode 'x': must be an integer \(from the application's args\)"):
+        config_from_args({"decode": "x"})
