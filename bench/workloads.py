@@ -19,9 +19,12 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def shared_prefix(
-    n: int, vocab: int, seed: int = 0, num_systems: int = 4, system_tokens: int = 768, user_tokens: int = 48
+    n: int, vocab: int, seed: int = 0, num_systems: int = 5, system_tokens: int = 512, user_tokens: int = 48
 ) -> list[list[int]]:
-    """`n` prompts, the i-th on system prompt i % num_systems, each user message distinct."""
+    """`n` prompts, the i-th on system prompt i % num_systems, each user message distinct. With
+    more system prompts than an engine's cache holds, sent in turn, an engine that sees them all
+    finds each evicted just before it comes back (LRU); an odd count keeps the turn from lining
+    up with two engines taken in turn, which would route by cache by accident."""
     rng = random.Random(seed)
     systems = [_ids(rng, system_tokens, vocab) for _ in range(num_systems)]
     return [systems[i % num_systems] + _ids(rng, rng.randint(user_tokens // 2, user_tokens), vocab) for i in range(n)]

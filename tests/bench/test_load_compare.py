@@ -12,9 +12,10 @@ from bench.workloads import shared_prefix, short_long, systems_and_chats
 
 
 def test_shared_prefix_prompts_share_their_system_prompt_and_differ_after_it():
-    prompts = shared_prefix(8, vocab=96, num_systems=2, system_tokens=64, user_tokens=16)
-    assert prompts[0][:64] == prompts[2][:64] != prompts[1][:64]
-    assert prompts[0][64:] != prompts[2][64:]
+    prompts = shared_prefix(9, vocab=96, num_systems=3, system_tokens=64, user_tokens=16)
+    assert prompts[0][:64] == prompts[3][:64] == prompts[6][:64] != prompts[1][:64]
+    assert len({tuple(p[:64]) for p in prompts}) == 3
+    assert len({tuple(p[64:]) for p in prompts}) == len(prompts)
     assert all(2 <= t < 94 for p in prompts for t in p)
 
 
