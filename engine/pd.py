@@ -171,6 +171,9 @@ class Disaggregation:
         params = self.connector.describe(
             req.req_id, self.config.engine_id, self.config.agent_name, block_ids, req.num_prompt_tokens, checksums
         )
+        if checksums is None and self.kv.checkpointing:  # --kv-verify checksums name the table's pages only
+            tokens, pages = self.kv.hand_over_checkpoint(req.req_id, req.num_prompt_tokens)
+            params = dataclasses.replace(params, checkpoint_tokens=tokens, checkpoint_block_ids=pages)
         self.held[req.req_id] = HeldKV(req.last_step, params.expires_at)
         return params
 
@@ -222,6 +225,16 @@ class Disaggregation:
                 f"this model has {len(self.kv.groups)}",
                 param="kv_transfer_params",
             )
+        num_states = sum(g.kind == "mamba" for g in self.kv.groups)
+        if params.checkpoint_block_ids and (
+            len(params.checkpoint_block_ids) != num_states or params.checkpoint_tokens % self.kv.block_size
+        ):
+            raise InvalidRequestError(
+                f"kv_transfer_params name a state checkpoint of {len(params.checkpoint_block_ids)} pages after "
+                f"{params.checkpoint_tokens} tokens; this model has {num_states} state groups and blocks of "
+                f"{self.kv.block_size} tokens",
+                param="kv_transfer_params",
+            )
         for group, manager, ids in zip(self.kv.groups, self.kv.managers, params.remote_block_ids):
             need = manager.num_required_blocks(params.num_tokens)
             if len(ids) != need:
@@ -258,7 +271,13 @@ class Disaggregation:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.last_step = step  # this step ships the load and the zero list touching its blocks
         self.loading[req.req_id] = req
-        self.connector.update_state_after_alloc(req.req_id, params, self.kv.get_block_ids(req.req_id), hit, external)
+        checkpoint: list[int] = []
+        if params.checkpoint_block_ids and params.checkpoint_tokens > hit and params.page_checksums is None:
+            # The prefill side's checkpoint inside the prompt: cached here once the load lands.
+            checkpoint = self.kv.adopt_checkpoint(req.req_id, params.checkpoint_tokens, req.prompt_token_ids)
+        self.connector.update_state_after_alloc(
+            req.req_id, params, self.kv.get_block_ids(req.req_id), hit, external, checkpoint
+        )
         return LoadStart.STARTED
 
     def covered_block_ids(self, req: Request) -> list[int]:
@@ -324,6 +343,7 @@ class Disaggregation:
                 req.req_id, req.num_computed_tokens, req.num_computed_tokens + req.num_external_tokens
             )
             why = "its KV lease at the prefill engine expired during the load"
+        self.kv.load_ended(req.req_id, ok=why is None)
         if why is None:
             req.num_computed_tokens += req.num_external_tokens
             self.num_loaded_tokens += req.num_external_tokens

@@ -45,12 +45,14 @@ class _Checkpoint:
     shipped: bool = False
     published: bool = False
     dead: bool = False  # the step that was to fill it failed: never published
+    by_load: bool = False  # filled by a decode engine's KV load, not by a copy: shipped when it lands
 
 
 @dataclass(slots=True)
 class _ReqCheckpoints:
     saved: list[_Checkpoint] = field(default_factory=list)
     hit: list[KVBlock] = field(default_factory=list)  # the checkpoint its hit starts from, per state group
+    hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -214,7 +216,9 @@ class KVCacheManager:
             manager.add_cached_blocks(req_id, blocks)
         for manager, block in zip(self._state, states):
             manager.hold_checkpoint(req_id, block)
-            self._checkpoints.setdefault(req_id, _ReqCheckpoints()).hit.append(block)
+            entry = self._checkpoints.setdefault(req_id, _ReqCheckpoints())
+            entry.hit.append(block)
+            entry.hit_tokens = num_new_computed_tokens
         new_ids: list[list[int]] = []
         for manager, need in zip(self.managers, needs):
             if not need:
@@ -344,11 +348,56 @@ class KVCacheManager:
         self._restores, self._saves = [], []
         if restores or saves:
             for req_id, entry in self._checkpoints.items():
-                if any(not c.shipped for c in entry.saved):
+                if any(not c.shipped and not c.by_load for c in entry.saved):
                     for c in entry.saved:
-                        c.shipped = True
+                        c.shipped = c.shipped or not c.by_load
                     self._publish_checkpoints(req_id)
         return restores, saves
+
+    def hand_over_checkpoint(self, req_id: str, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """Prefill side: the request's longest published checkpoint within its first
+        `num_tokens` tokens (one it saved, or the one its hit started from), as (boundary,
+        page per state group), for the decode side to load beside the prompt and cache;
+        (0, ()) if none. The request holds those pages until it is freed."""
+        entry = self._checkpoints.get(req_id)
+        if entry is None:
+            return 0, ()
+        best = (entry.hit_tokens, tuple(b.block_id for b in entry.hit)) if entry.hit else (0, ())
+        for c in entry.saved:
+            if c.published and not c.dead and best[0] < c.boundary <= num_tokens:
+                best = (c.boundary, tuple(b.block_id for b in c.pages))
+        return best
+
+    def adopt_checkpoint(self, req_id: str, num_tokens: int, token_ids: Sequence[int]) -> list[int]:
+        """Decode side: fresh pages for a checkpoint after `num_tokens` tokens that a load
+        fills, published when it lands (`load_ended`); none (skipped) when it is cached
+        already, no page is free, or the cap is reached."""
+        if not self.checkpointing or num_tokens % self.block_size or num_tokens <= 0:
+            return []
+        if self._checkpoint_pages_held + len(self._state) > self.max_checkpoint_pages:
+            return []
+        if len(self._state) > self.pool.num_free_blocks:
+            return []
+        hashes = self._req_hashes.setdefault(req_id, [])
+        extend_block_hashes(hashes, token_ids[:num_tokens], self.block_size)
+        if all(m.find_checkpoint(hashes[num_tokens // self.block_size - 1]) for m in self._state):
+            return []
+        pages = [m.new_checkpoint(req_id) for m in self._state]
+        entry = self._checkpoints.setdefault(req_id, _ReqCheckpoints())
+        entry.saved.append(_Checkpoint(num_tokens, pages, by_load=True))
+        self._checkpoint_pages_held += len(pages)
+        return [p.block_id for p in pages]
+
+    def load_ended(self, req_id: str, ok: bool) -> None:
+        """Decode side: the load that filled the request's adopted checkpoints ended; publish
+        them if it landed (the pages hold the prefill side's bytes), never if it failed."""
+        entry = self._checkpoints.get(req_id)
+        for c in entry.saved if entry is not None else ():
+            if c.by_load and not c.shipped:
+                c.shipped = True
+                c.dead = c.dead or not ok
+        if entry is not None:
+            self._publish_checkpoints(req_id)
 
     def _publish_checkpoints(self, req_id: str) -> None:
         hashes = self._req_hashes.get(req_id, [])

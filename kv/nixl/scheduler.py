@@ -15,12 +15,13 @@ between a READ completing and the scheduler learning of it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kv.nixl.transfer_params import KVTransferParams
-from kv.single_type_manager import SingleTypeManager
+from kv.single_type_manager import MambaManager, SingleTypeManager
 
 LEASE_MARGIN_S = 0.25
 
@@ -74,15 +75,25 @@ class NixlSchedulerConnector:
         block_ids: Sequence[Sequence[int]],
         num_local_computed: int,
         num_external: int,
+        checkpoint_ids: Sequence[int] = (),
     ) -> None:
         """Plan the READ of tokens [local, local + external) into the request's blocks: in each
         group the blocks holding those tokens (a local hit is block aligned, so the remote
         blocks before it are skipped block for block; a state group reads its one slot, the
-        remote's state after its last computed token)."""
+        remote's state after its last computed token). `checkpoint_ids`, one local page per
+        state group, also read the remote's state checkpoint (docs/design.md §21)."""
         end = num_local_computed + num_external
         spans = [manager.block_span(num_local_computed, end) for manager in self.managers]
-        local = tuple(tuple(mine[span]) for mine, span in zip(block_ids, spans))
-        self._loads.append(LoadSpec(req_id, params.sliced(spans), local))
+        local = [tuple(mine[span]) for mine, span in zip(block_ids, spans)]
+        sliced = params.sliced(spans)
+        if checkpoint_ids:
+            remote = list(sliced.remote_block_ids)
+            states = [g for g, m in enumerate(self.managers) if isinstance(m, MambaManager)]
+            for g, mine, theirs in zip(states, checkpoint_ids, params.checkpoint_block_ids, strict=True):
+                local[g] += (mine,)
+                remote[g] += (theirs,)
+            sliced = dataclasses.replace(sliced, remote_block_ids=tuple(remote))
+        self._loads.append(LoadSpec(req_id, sliced, tuple(local)))
 
     def notify_abandoned(self, params: KVTransferParams) -> None:
         self._notify.append((params.remote_agent_name, params.request_id))

@@ -36,6 +36,11 @@ class KVTransferParams:
     # --kv-verify: per (prefill rank, decode rank) one checksum per block of `remote_block_ids`
     # (`Checksums`); None without it
     page_checksums: Checksums | None = None
+    # Hybrid prefix caching (docs/design.md §21): a state checkpoint of the prompt, the state
+    # after its first `checkpoint_tokens` tokens, one prefill-side page per state group, that the
+    # decode side may load beside the prompt and cache; 0 and () when there is none.
+    checkpoint_tokens: int = 0
+    checkpoint_block_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         """Raises ValueError naming the first field of the wrong type or range."""
@@ -55,6 +60,12 @@ class KVTransferParams:
             or self.expires_at != self.expires_at
         ):
             raise ValueError(f"expires_at must be a number of seconds, got {self.expires_at!r}")
+        if not _is_int(self.checkpoint_tokens) or not 0 <= self.checkpoint_tokens <= self.num_tokens:
+            raise ValueError(f"checkpoint_tokens must be an int in [0, num_tokens], got {self.checkpoint_tokens!r}")
+        if not isinstance(self.checkpoint_block_ids, tuple) or not all(
+            _is_int(b) and b >= 0 for b in self.checkpoint_block_ids
+        ):
+            raise ValueError(f"checkpoint_block_ids must be non-negative ints, got {self.checkpoint_block_ids!r}")
         if self.page_checksums is not None and not _shaped(self.page_checksums, self.remote_block_ids):
             raise ValueError(
                 "page_checksums must be, per prefill rank and decode rank, ints shaped like remote_block_ids, "

@@ -410,3 +410,34 @@ def test_num_required_blocks_is_the_span_from_token_zero(block_size):
     for manager in kv.managers:
         for num_tokens in range(-2, 5 * block_size + 2):
             assert manager.num_required_blocks(num_tokens) == manager.block_span(0, num_tokens).stop
+
+
+def test_a_loaded_checkpoint_is_cached_once_its_load_lands():
+    """PD: the prefill side hands over its longest published checkpoint within the prompt; the
+    decode side adopts fresh pages for it and caches them only once the load lands."""
+    prefill = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    prefill.allocate_slots("p", 6)
+    prefill.cache_full_blocks("p", tokens, 6)
+    prefill.checkpoint("p", 2, tokens)
+    prefill.checkpoint("p", 4, tokens)
+    assert prefill.hand_over_checkpoint("p", 6) == (0, ())  # the saves have not shipped yet
+    prefill.take_state_copies()
+    boundary, pages = prefill.hand_over_checkpoint("p", 6)
+    assert boundary == 4 and len(pages) == 1 and pages[0] not in prefill.get_block_ids("p")[1]
+    decode = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
+    for ok, hit in ((False, 0), (True, 4)):
+        decode.allocate_slots("d", 7)
+        (page,) = decode.adopt_checkpoint("d", 4, tokens)
+        decode.cache_full_blocks("d", tokens, 7)
+        decode.take_state_copies()  # other requests' copies ship: not this page, a load fills it
+        assert decode.get_computed_blocks("x", tokens) == 0
+        decode.load_ended("d", ok=ok)
+        assert decode.get_computed_blocks("x", tokens) == hit
+        decode.free("d")
+    assert decode.adopt_checkpoint("y", 4, tokens) == []  # cached already: nothing to load
+    decode.free("y")
+    prefill.free("p")
+    for kv in (prefill, decode):
+        assert kv.num_free_blocks == kv.num_blocks
+        kv.check_integrity()
