@@ -290,3 +290,35 @@ def test_local_hit_covering_the_grant_releases_the_prefill_side():
     out = s.schedule()
     assert out.kv_connector_meta.notify == (("agent-p", "d"),)
     assert out.num_scheduled_tokens["d"] == 1
+
+
+def test_hybrid_local_hit_then_load_and_a_failed_load_recomputes_from_the_hit():
+    """docs/design.md §21: a hybrid decode engine hits its own cache (blocks and the state
+    checkpoint at that boundary), loads only the rest with no restore queued behind the READ;
+    when the load fails it recomputes from the hit, its slot restored from the checkpoint it
+    holds, and only the blocks past the hit are zeroed."""
+    s = decode_scheduler(prefix=True)
+    shared = list(range(1, 9))  # two full blocks
+    add(s, "a", shared + [50, 51], None)
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 8}  # the chunk ends at the prompt's last full block
+    ((slot_a, checkpoint),) = first.state_saves
+    s.update_from_output(first, ModelRunnerOutput(first.step_id, {}))
+    second = s.schedule()
+    s.update_from_output(second, ModelRunnerOutput(second.step_id, {"a": 7}))
+    hit_blocks = attention_ids(s, "a")[:2]
+    add(s, "d", shared + [60, 61, 62, 63, 64], remote("d", 12))
+    out = s.schedule()
+    ids = attention_ids(s, "d")
+    assert ids[:2] == hit_blocks
+    (load,) = out.kv_connector_meta.loads
+    assert list(load.block_ids[0]) == ids[2:3]  # tokens 8..12 only, and the state after 12
+    assert list(load.params.remote_block_ids[0]) == [102]
+    assert not out.state_restores  # the READ writes the slot outside the stream
+    (slot_d,) = s.kv.get_block_ids("d")[1]
+    s.update_from_output(out, ModelRunnerOutput(out.step_id, {}, failed_loads={"d": ids[2:3]}))
+    nxt = s.schedule()
+    (new,) = [r for r in nxt.new_reqs if r.req_id == "d"]
+    assert new.num_computed_tokens == 8
+    assert (checkpoint, slot_d) in nxt.state_restores and slot_a != slot_d
+    assert ids[2] in nxt.new_block_ids_to_zero and not set(hit_blocks) & set(nxt.new_block_ids_to_zero)
