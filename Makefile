@@ -7,7 +7,7 @@ KERNELS := $(VENV)/.kernels
 # while it lints (each ~1 min, mostly one core).
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup lint test test-faults soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers gpu-check clean
+.PHONY: setup lint test test-faults test-scaling soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers gpu-check clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -33,12 +33,17 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: setup lint
-	$(PY) -m pytest -q -m "not cluster and not multinode and not faults" tests
+	$(PY) -m pytest -q -m "not cluster and not multinode and not faults and not scaling" tests
 
 # The HTTP fault suite (not part of `make test`: 1.5-2.5 min): engines killed mid-stream and in
 # flight, 100 clients dropping, overload at 3x; RAYPD_FAULT_REPORT=FILE collects a line per case.
 test-faults: setup
 	$(PY) -m pytest -q -m faults tests
+
+# The scaling suite (not part of `make test`): 2P2D with two ingress replicas, a decode engine
+# drained mid-stream and a replica killed; a load ramp the autoscaler follows; `serve run`.
+test-scaling: setup
+	$(PY) -m pytest -q -m scaling tests/scaling
 
 # Mixed traffic with engine kills, worker faults and 10% failed KV loads for 10 minutes (not
 # part of `make test`): requests ok / failed with a clear error / lost, leaked blocks, worker RSS.
