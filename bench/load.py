@@ -202,7 +202,7 @@ def _main(argv: list[str] | None) -> int:
         field, values = args.compare or (None, [None])
         for prefill, decode in args.layouts:
             for value in values:
-                changed = {field: value} if field else {}
+                changed: dict[str, Any] = {field: value} if field else {}
                 try:
                     cfg = dataclasses.replace(base, prefill=prefill, decode=decode, port=free_port(), **changed)
                 except ConfigError as e:
@@ -218,8 +218,8 @@ def _main(argv: list[str] | None) -> int:
                 runs.append((label, samples, wall))
                 outputs = {s.index: s.text for s in samples if s.ok}
                 if runs[0][0] != label:
-                    first = {s.index: s.text for s in runs[0][1] if s.ok}
-                    same = [i for i in outputs if i in first and outputs[i] == first[i]]
+                    baseline = {s.index: s.text for s in runs[0][1] if s.ok}
+                    same = [i for i in outputs if i in baseline and outputs[i] == baseline[i]]
                     report["outputs_equal_to_first"] = f"{len(same)}/{len(outputs)}"
         first = reports[0]
         for r in reports:

@@ -6,6 +6,10 @@ only when the engine's prefix cache changed since the version the caller already
 idle fleet's polls carry a few integers. Each cached block is named by the first 8 bytes of its
 chained hash (kv/block_hash.py): a collision between two prefixes can only make the router
 guess a hit that the engine then misses, which costs time, never correctness.
+
+A hybrid model's hit also needs the state checkpoint after its last block (docs/design.md §21),
+so its engine sends the digests of the blocks it holds a checkpoint after apart from those of
+its attention blocks, and the routers count a hit only up to the last checkpointed block.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
 DIGEST_BYTES = 8
+GROUP_BYTES = 4
 
 
 def digest_of(block_hash: bytes) -> int:
@@ -41,15 +46,25 @@ class EngineSummary:
     max_num_batched_tokens: int
     cache_version: int
     cached: frozenset[int] | None
+    # Hybrid models: the blocks a state checkpoint follows, sent along with `cached`; None on a
+    # model without state layers, whose hits need none.
+    checkpoints: frozenset[int] | None = None
 
 
 def summarize(scheduler: Scheduler, since_version: int | None) -> EngineSummary:
     """The scheduler's summary; the digest only when the cache moved past `since_version`."""
     kv = scheduler.kv
     version = kv.pool.cache_version
-    cached = None
+    state_groups = {i for i, g in enumerate(kv.groups) if g.kind == "mamba"}
+    cached = checkpoints = None
     if since_version != version:
-        cached = frozenset(digest_of(h) for h in kv.pool.cached_hashes()) if kv.enable_prefix_caching else frozenset()
+        blocks: set[int] = set()
+        states: set[int] = set()
+        for key in kv.pool.cached_hashes() if kv.enable_prefix_caching else ():
+            group = int.from_bytes(key[-GROUP_BYTES:], "little")  # kv/block_hash.py `with_group`
+            (states if group in state_groups else blocks).add(digest_of(key))
+        cached = frozenset(blocks)
+        checkpoints = frozenset(states) if state_groups else None
     return EngineSummary(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -60,4 +75,5 @@ def summarize(scheduler: Scheduler, since_version: int | None) -> EngineSummary:
         max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         cache_version=version,
         cached=cached,
+        checkpoints=checkpoints,
     )

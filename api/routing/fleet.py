@@ -41,6 +41,7 @@ class EngineState:
     role: FleetRole
     summary: EngineSummary | None = None
     cached: frozenset[int] = frozenset()
+    checkpoints: frozenset[int] | None = None  # hybrid models (engine/summary.py)
     polled_at: float = 0.0  # when the poll that gave `summary` was sent (this process's clock)
     sent: deque[tuple[float, int]] = field(default_factory=deque)  # (when, prompt tokens to compute)
     suspect: bool = False
@@ -70,7 +71,7 @@ class EngineState:
     def record(self, summary: EngineSummary, polled_at: float) -> None:
         self.summary = summary
         if summary.cached is not None:
-            self.cached = summary.cached
+            self.cached, self.checkpoints = summary.cached, summary.checkpoints
         self.polled_at = polled_at
         self.suspect = False
         while self.sent and self.sent[0][0] <= polled_at:

@@ -36,7 +36,7 @@ def expected_hit(state: EngineState, prompt: PromptBlocks) -> int:
     """Prompt tokens `state`'s engine should find cached, by its last digest."""
     if state.block_size is None or not state.cached:
         return 0
-    return prompt.hit_tokens(state.cached, state.block_size)
+    return prompt.hit_tokens(state.cached, state.block_size, state.checkpoints)
 
 
 def load(state: EngineState) -> int:

@@ -31,11 +31,16 @@ class PromptBlocks:
             self._digests[block_size] = [digest_of(h) for h in extend_block_hashes([], hittable, block_size)]
         return self._digests[block_size]
 
-    def hit_tokens(self, cached: frozenset[int], block_size: int) -> int:
-        """Tokens of the longest run of leading blocks found in `cached`."""
+    def hit_tokens(self, cached: frozenset[int], block_size: int, checkpoints: frozenset[int] | None = None) -> int:
+        """Tokens of the longest run of leading blocks found in `cached`; with `checkpoints` (a
+        hybrid model), only up to the last of them a state checkpoint follows."""
+        digests = self.digests(block_size)
         n = 0
-        for digest in self.digests(block_size):
+        for digest in digests:
             if digest not in cached:
                 break
             n += 1
+        if checkpoints is not None:
+            while n and digests[n - 1] not in checkpoints:
+                n -= 1
         return n * block_size

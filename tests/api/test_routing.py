@@ -42,6 +42,18 @@ def test_prompt_blocks_name_blocks_as_the_engines_cache_does():
     assert expected_hit(state("b"), prompt) == 0
 
 
+def test_a_hybrid_hit_ends_at_the_last_block_a_state_checkpoint_follows():
+    prompt = PromptBlocks(PROMPT)
+    blocks = prompt.digests(BS)
+    hybrid = state("h", cached_prompt=SYSTEM)
+    hybrid.checkpoints = frozenset([blocks[3], blocks[5]])  # after 4 and 6 blocks
+    assert expected_hit(hybrid, prompt) == 6 * BS
+    hybrid.checkpoints = frozenset([blocks[8]])  # past the cached run: no use
+    assert expected_hit(hybrid, prompt) == 0
+    hybrid.checkpoints = None  # a model without state layers
+    assert expected_hit(hybrid, prompt) == len(SYSTEM)
+
+
 def test_cache_aware_prefers_the_cached_prefix_until_its_load_outweighs_it():
     prompt = PromptBlocks(PROMPT)
     policy = CacheAware()
@@ -152,7 +164,10 @@ def test_an_engine_that_dies_between_the_decision_and_the_call_is_left_out_and_t
             await router.refresh()
             first = await tokens("first")  # both idle and cold: e0, in turn
             await router.refresh()
-            assert expected_hit(router.fleet.state("e0"), PromptBlocks(prompt)) > 0
+            # A hybrid (NemotronH): a hit up to the prompt's last full block, after which the
+            # engine keeps a state checkpoint (docs/design.md §21), as its summary says.
+            assert router.fleet.state("e0").checkpoints
+            assert expected_hit(router.fleet.state("e0"), PromptBlocks(prompt)) == 12
             # Make e1 the warm one: the same prompt straight on it.
             async for _ in router.fleet.engine("e1").client.generate(prompt, sampling, "warm-e1"):
                 pass
