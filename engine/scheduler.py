@@ -349,8 +349,11 @@ class Scheduler:
         """A chunk of `n` tokens from `computed`, cut to end at the next state checkpoint
         boundary it would cross: the worker copies the state after a step, so a checkpoint
         exists only where a step ends (docs/design.md §21)."""
+        end = computed + n
         boundary = self.kv.next_checkpoint(computed, req.num_prompt_tokens)
-        return boundary - computed if computed < boundary < computed + n else n
+        while computed < boundary < end and self.kv.has_checkpoint(req.req_id, boundary):
+            boundary = self.kv.next_checkpoint(boundary, req.num_prompt_tokens)  # cached: no step need end there
+        return boundary - computed if computed < boundary < end else n
 
     def _checkpoint(self, req: Request) -> None:
         """Keep the state after this step's chunk if the policy wants that boundary."""

@@ -303,6 +303,13 @@ class KVCacheManager:
             return True
         return num_tokens == (num_prompt_tokens - 1) // self.block_size * self.block_size
 
+    def has_checkpoint(self, req_id: str, num_tokens: int) -> bool:
+        """Whether the state after the request's first `num_tokens` tokens is cached already
+        (as far as its hashes are known), so no chunk needs to end there to keep it."""
+        hashes = self._req_hashes.get(req_id, ())
+        index = num_tokens // self.block_size - 1
+        return 0 <= index < len(hashes) and all(m.find_checkpoint(hashes[index]) for m in self._state)
+
     def checkpoint(self, req_id: str, num_tokens: int, token_ids: Sequence[int], before_forward: bool = False) -> bool:
         """Save the request's state after `num_tokens` tokens, which the step being scheduled
         computes up to exactly, into fresh pages: the copies go after the step's forward
