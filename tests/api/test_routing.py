@@ -187,3 +187,31 @@ def test_an_engine_that_dies_between_the_decision_and_the_call_is_left_out_and_t
     assert again == first
     assert resumed == 1
     assert chosen_after == ["e0"]
+
+
+def test_an_engine_sends_its_digest_only_when_its_cache_changed(checkpoint):
+    cfg = config(checkpoint)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+
+    async def main() -> None:
+        core, worker = build_local_engine(cfg)
+        try:
+            empty = core.routing_summary(None)
+            assert empty.cached == frozenset() and empty.block_size == 4
+            assert core.routing_summary(empty.cache_version).cached is None
+            sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            engine = Engine.local("e", core)
+            async for _ in engine.client.generate(prompt, sampling, "r"):
+                pass
+            await core.wait_idle()
+            await engine.client.close()
+            after = core.routing_summary(empty.cache_version)
+            assert after.cache_version != empty.cache_version
+            assert after.cached and after.checkpoints  # a hybrid: blocks, and checkpoints after some
+            assert core.routing_summary(after.cache_version).cached is None
+            assert (after.num_running, after.num_waiting, after.waiting_tokens) == (0, 0, 0)
+        finally:
+            await core.close()
+            worker.close()
+
+    asyncio.run(main())
