@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from api.routing.fleet import EngineState
 from api.routing.policies import fits
 
 Decision = Literal["local", "remote"]
 # Why: the uncached prompt is below (or not below) the threshold, every prefill engine is
-# saturated while the decode engine has room, or conditional disaggregation is off.
-Reason = Literal["short_prompt", "prefill_saturated", "long_prompt", "always_remote"]
+# saturated while the decode engine has room, conditional disaggregation is off, or no prefill
+# engine takes requests (all draining or gone while others start): the decode engine computes it.
+Reason = Literal["short_prompt", "prefill_saturated", "long_prompt", "always_remote", "no_prefill_engine"]
 DECISIONS: tuple[Decision, ...] = ("local", "remote")
-REASONS: tuple[Reason, ...] = ("short_prompt", "prefill_saturated", "long_prompt", "always_remote")
+REASONS: tuple[Reason, ...] = get_args(Reason)
 
 # A prefill engine with more than this many steps' worth of prompt tokens queued is saturated.
 SATURATED_STEPS = 4
@@ -68,11 +69,13 @@ def decide(
 ) -> DisaggDecision:
     """`min_prefill_tokens` 0 turns conditional disaggregation off: every prompt goes remote."""
     uncached = prompt_tokens - decode_hit
+    if not prefill:
+        return DisaggDecision("local", "no_prefill_engine", uncached)
     if min_prefill_tokens <= 0:
         return DisaggDecision("remote", "always_remote", uncached)
     if uncached < min_prefill_tokens:
         return DisaggDecision("local", "short_prompt", uncached)
-    all_saturated = bool(prefill) and all(saturated(p, prompt_tokens, max_tokens) for p in prefill)
+    all_saturated = all(saturated(p, prompt_tokens, max_tokens) for p in prefill)
     if all_saturated and has_room(decode, uncached, max_tokens):
         return DisaggDecision("local", "prefill_saturated", uncached)
     return DisaggDecision("remote", "long_prompt", uncached)

@@ -138,6 +138,9 @@ def test_a_long_prompt_stays_local_only_while_every_prefill_engine_is_saturated(
     assert decide(4, decode, 0, [busy, idle], len(PROMPT), 8).decision == "remote"
     d = decide(4, decode, 0, [busy, state("p1", role="prefill", waiting_tokens=queued)], len(PROMPT), 8)
     assert (d.decision, d.reason) == ("local", "prefill_saturated")
+    # No prefill engine to take it (all draining, say): computed where it decodes, whatever the threshold.
+    alone = decide(0, decode, 0, [], len(PROMPT), 8)
+    assert (alone.decision, alone.reason) == ("local", "no_prefill_engine")
     # ... and the decode engine has room: not with requests waiting there.
     crowded = state("d", waiting=1, waiting_tokens=10)
     assert decide(4, crowded, 0, [busy], len(PROMPT), 8).decision == "remote"
