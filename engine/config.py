@@ -98,7 +98,7 @@ class Config:
     router: RouterPolicy = _f(
         "cache_aware",
         "how the API picks an engine of each role: in turn, by load, or by cached prefix against load "
-        "(docs/design.md §23)",
+        "(docs/design.md §22)",
     )
     pd_min_prefill_tokens: int = _f(
         0,

@@ -1,6 +1,6 @@
 """What an engine tells the routers about itself: its load and which prompt prefixes it holds.
 
-The ingress routes by these summaries (api/routing/, docs/design.md §23) instead of asking every
+The ingress routes by these summaries (api/routing/, docs/design.md §22) instead of asking every
 engine about every request. A summary is pulled periodically; the cached-block digest is sent
 only when the engine's prefix cache changed since the version the caller already holds, so an
 idle fleet's polls carry a few integers. Each cached block is named by the first 8 bytes of its

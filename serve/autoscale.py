@@ -1,5 +1,5 @@
 """When to add or drain an engine of a role: load measured from engine stats, against targets,
-with hysteresis (docs/design.md §24).
+with hysteresis (docs/design.md §23).
 
 Each role is measured on its own. A prefill engine's work is its queue and how long a request
 takes to its hand-over, so prefill is measured by requests waiting per engine and by the mean

@@ -4,7 +4,7 @@ It creates the engines, replaces a failed one (`EngineSupervisor`, serve/engines
 drains engines as the load asks (serve/autoscale.py), and publishes the current engine set with
 a version. Every API replica watches it (`watch`, a long poll that answers as soon as the
 version moves), so an engine added, drained or replaced reaches every replica, and no replica
-owns anything: one that dies takes only its own streams with it (docs/design.md §24).
+owns anything: one that dies takes only its own streams with it (docs/design.md §23).
 
 Draining an engine: it leaves the published set first, so the routers send it nothing new;
 the controller then waits until it holds nothing (no request running or waiting, every block

@@ -1,5 +1,5 @@
 """Conditional disaggregation: whether a PD request's prompt is computed on a prefill engine and
-its KV moved, or on the chosen decode engine itself (docs/design.md §23).
+its KV moved, or on the chosen decode engine itself (docs/design.md §22).
 
 A transfer pays off only for a prompt long enough that computing it elsewhere spares the
 decode engine's running requests more than the hand-over costs the request; a short one, or one

@@ -1,4 +1,4 @@
-"""Routing policies: which engine of one role takes a request (docs/design.md §23).
+"""Routing policies: which engine of one role takes a request (docs/design.md §22).
 
 Every policy picks among the candidates the fleet gives it at the decision (api/routing/fleet.py),
 from their latest summaries plus what was sent since. Costs are in prompt tokens of work ahead

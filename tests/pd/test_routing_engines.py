@@ -1,7 +1,7 @@
 """Routing over real engines, 2 prefill + 2 decode actors moving KV over NIXL: the same
 shared-prefix requests routed round robin, cache-aware, and cache-aware with conditional
 disaggregation (short uncached prompts computed on their decode engine) give the same tokens,
-on the shipped hybrid and on a dense Qwen3; every block comes back (docs/design.md §23)."""
+on the shipped hybrid and on a dense Qwen3; every block comes back (docs/design.md §22)."""
 
 from __future__ import annotations
 
