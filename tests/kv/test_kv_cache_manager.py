@@ -428,7 +428,7 @@ def test_a_loaded_checkpoint_is_cached_once_its_load_lands():
     decode = make(groups=(ATT, MAMBA), num_blocks=12, caching=True)
     for ok, hit in ((False, 0), (True, 4)):
         decode.allocate_slots("d", 7)
-        (page,) = decode.adopt_checkpoint("d", 4, tokens)
+        assert len(decode.adopt_checkpoint("d", 4, tokens)) == 1  # one state group: one page to load
         decode.cache_full_blocks("d", tokens, 7)
         decode.take_state_copies()  # other requests' copies ship: not this page, a load fills it
         assert decode.get_computed_blocks("x", tokens) == 0
