@@ -1,7 +1,8 @@
 """Routing over real engines, 2 prefill + 2 decode actors moving KV over NIXL: the same
 shared-prefix requests routed round robin, cache-aware, and cache-aware with conditional
-disaggregation (short uncached prompts computed on their decode engine) give the same tokens,
-on the shipped hybrid and on a dense Qwen3; every block comes back (docs/design.md §22)."""
+disaggregation (short uncached prompts computed on their decode engine) give the tokens of
+each request run alone, on the shipped hybrid and on a dense Qwen3: hybrid prefix caching
+over 2P2D; every block comes back (docs/design.md §22)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from api import Engine, PDRouter
 from api.routing.policies import CacheAware, RoundRobin
 from engine.config import Config
 from engine.messages import SamplingParams
+from tests.engine.test_core import alone
 from tests.models.hf_fixtures import save_hf_model
 from tests.pd.test_pd_engines import DEVICE, check_idle
 from tests.ray_session import stop_actors
@@ -101,6 +103,8 @@ def test_cache_aware_and_local_prefill_give_round_robins_tokens(ray_cluster, tmp
     finally:
         stop_actors(*handles.values())
     baseline, decisions = runs["round_robin"]
+    # Each request run alone, without any cache, in the order the waves return them.
+    assert baseline == alone(model, [(p, 6) for p in prompts[::2] + prompts[1::2]])
     assert decisions == {("remote", "always_remote"): len(prompts)}
     assert runs["cache_aware"][0] == baseline
     tokens, decisions = runs["conditional"]
