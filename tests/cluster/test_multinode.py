@@ -194,8 +194,8 @@ def test_pd_across_network_namespaces(network, tmp_path):
         )
 
         # Greedy outputs equal colocated ones, and the KV crossed the prefill node's veth.
-        lines = (Path(DEFAULT_MODEL) / "eval.jsonl").read_text().splitlines()[:GREEDY_PROMPTS]
-        prompts = [json.loads(line)["prompt"] for line in lines]
+        texts = [json.loads(line)["prompt"] for line in (Path(DEFAULT_MODEL) / "eval.jsonl").read_text().splitlines()]
+        prompts = texts[:GREEDY_PROMPTS]
         sent_before = tx_bytes(prefill_host)
         body = {
             "model": "tiny-hybrid",
@@ -244,7 +244,10 @@ def test_pd_across_network_namespaces(network, tmp_path):
         report = json.loads(out.with_suffix(".json").read_text())["runs"][0]
         assert report["completed"] == LOAD_REQUESTS and report["failed"] == 0
         server = report["server"]
-        assert server["raypd-decode-0"]["kv_transfer_loads"] == LOAD_REQUESTS
+        # The load cycles the 200 eval prompts: a prompt never served before is loaded; a repeat
+        # may be a decode-side prefix hit that leaves nothing to load (docs/design.md §21).
+        never_served = len(set(texts) - set(prompts))
+        assert never_served <= server["raypd-decode-0"]["kv_transfer_loads"] <= LOAD_REQUESTS
         assert server["raypd-decode-0"]["kv_transfer_failed"] == 0
         for engine, row in server.items():
             assert row["kv_blocks_in_use_after"] == 0 and row["kv_blocks_capacity"] > 0, engine
