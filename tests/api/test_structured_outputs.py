@@ -76,26 +76,28 @@ def _is_prefix(compiler: GrammarCompiler, spec: StructuredOutput, text: str) -> 
     return bool(xgr.GrammarMatcher(compiler.get(spec)).accept_string(text))
 
 
-def test_seeded_sampled_chat_outputs_all_validate(client):
-    def one(seed: int):
-        return client.chat.completions.create(
-            model=NAME,
-            messages=[{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}],
-            max_tokens=96,
-            temperature=1.0,
-            seed=seed,
-            response_format=RESPONSE_FORMAT,
-        )
+def seeded_schema_request(client: openai.OpenAI, seed: int):
+    """One sampled chat request held to SCHEMA, its prompt and seed chosen by `seed`."""
+    return client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}],
+        max_tokens=96,
+        temperature=1.0,
+        seed=seed,
+        response_format=RESPONSE_FORMAT,
+    )
 
+
+def test_seeded_sampled_chat_outputs_all_validate(client):
     with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(NUM_SEEDED)))
+        responses = list(pool.map(lambda seed: seeded_schema_request(client, seed), range(NUM_SEEDED)))
     for r in responses:
         choice = r.choices[0]
         # The schema bounds every field, so every output ends well within max_tokens, on EOS.
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert len({r.choices[0].message.content for r in responses}) > 1  # sampled, not one fixed answer
-    again = one(7)
+    again = seeded_schema_request(client, 7)
     assert again.choices[0].message.content == responses[7].choices[0].message.content  # seeded
 
 

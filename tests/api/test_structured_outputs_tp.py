@@ -14,7 +14,7 @@ import openai
 from actors.ports import free_port
 from engine.config import Config
 from tests.api.conftest import deployed
-from tests.api.test_structured_outputs import MODEL_DIR, NAME, PROMPTS, RESPONSE_FORMAT, SCHEMA
+from tests.api.test_structured_outputs import MODEL_DIR, NAME, PROMPTS, SCHEMA, seeded_schema_request
 
 
 def test_tensor_parallel_ranks_mask_alike(ray_cluster):
@@ -31,19 +31,8 @@ def test_tensor_parallel_ranks_mask_alike(ray_cluster):
     )
     with deployed(cfg) as dep:
         client = openai.OpenAI(base_url=dep.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-        def one(seed: int):
-            return client.chat.completions.create(
-                model=NAME,
-                messages=[{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}],
-                max_tokens=96,
-                temperature=1.0,
-                seed=seed,
-                response_format=RESPONSE_FORMAT,
-            )
-
         with ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(one, range(12)))
+            responses = list(pool.map(lambda seed: seeded_schema_request(client, seed), range(12)))
         for r in responses:
             assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
             jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
