@@ -44,7 +44,7 @@ class EngineActor:
         prefers this actor's node, since they talk every step; Ray places it elsewhere if this node
         lacks what it asks for (a GPU)."""
         self.config = Config.from_dict(config)
-        keep_off(self.config.worker_cpu_list)
+        keep_off(self.config.bound_cpus)
         self.role = role
         self.engine_id = engine_id
         # Unique per incarnation: a replaced engine's agent must not be confused with the old one.

@@ -36,12 +36,13 @@ def worker_config(
     """Rank `tp_rank`'s worker of an engine of `role`; the engine's KV memory is shared out
     among its ranks (each holds its share of the heads)."""
     tp = cfg.tp_size(role)
+    cpus = cfg.role_cpus(role)
     return WorkerConfig(
         cfg.model,
         dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_cache_dtype,
         device=cfg.device,
-        cpus=rank_cpus(cfg.worker_cpu_list, tp_rank, tp) if cfg.worker_cpus else (),
+        cpus=rank_cpus(cpus, tp_rank, tp) if cpus else (),
         cpu_kernels=cfg.cpu_kernels,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,

@@ -154,6 +154,16 @@ class Config:
         "CPUs the workers compute on, as a list like 0-3,8 (a TP engine's ranks share it out); the "
         "engine and API processes keep to the other CPUs. Default: nothing is bound",
     )
+    prefill_worker_cpus: str | None = _f(
+        None,
+        "CPUs the prefill engines' workers compute on (a list like --worker-cpus), so that prefill and "
+        "decode on one host each keep to their own cores; not with --worker-cpus nor colocated engines",
+    )
+    decode_worker_cpus: str | None = _f(
+        None,
+        "CPUs the decode engines' workers compute on (a list like --worker-cpus); not with --worker-cpus "
+        "nor colocated engines",
+    )
     address: str | None = _f(
         None, "Ray cluster address; default: RAY_ADDRESS (set in a Ray job), else start a local cluster"
     )
@@ -203,14 +213,42 @@ class Config:
             # Sizing prefill and decode engines asks for them: one prefill engine unless told more.
             object.__setattr__(self, "prefill", 1)
         self._check_scaling()
-        if self.worker_cpus:
+        self._check_cpus()
+
+    def _check_cpus(self) -> None:
+        """Each CPU list parses and has a CPU for every TP rank of the engines it binds; the
+        per-role lists replace `worker_cpus` in a PD layout (no precedence to guess)."""
+        for role in ("prefill", "decode"):
+            name = f"{role}_worker_cpus"
+            value = getattr(self, name)
+            if not value:
+                continue
+            if self.worker_cpus:
+                raise ConfigError(
+                    f"invalid {name} {value!r}: give either worker_cpus ({self.worker_cpus!r}) for every "
+                    "engine or the per-role lists, not both",
+                    name,
+                )
+            if self.colocated:
+                raise ConfigError(
+                    f"invalid {name} {value!r}: colocated engines (--prefill 0) have no {role} role; use worker_cpus",
+                    name,
+                )
+        binds: dict[str, tuple[Role, ...]] = {
+            "worker_cpus": ("colocated",) if self.colocated else ("prefill", "decode"),
+            "prefill_worker_cpus": ("prefill",),
+            "decode_worker_cpus": ("decode",),
+        }
+        for name, roles in binds.items():
+            value = getattr(self, name)
+            if not value:
+                continue
             try:
-                cpus = self.worker_cpu_list
-                roles: tuple[Role, ...] = ("colocated",) if self.colocated else ("prefill", "decode")
+                cpus = parse_cpus(value)
                 for role in roles:
                     rank_cpus(cpus, 0, self.tp_size(role))
             except ValueError as e:
-                raise ConfigError(f"invalid worker_cpus {self.worker_cpus!r}: {e}", "worker_cpus") from None
+                raise ConfigError(f"invalid {name} {value!r}: {e}", name) from None
 
     def _check_scaling(self) -> None:
         if self.colocated:
@@ -250,10 +288,18 @@ class Config:
         """The name clients use in requests."""
         return self.served_model_name or Path(self.model).name
 
+    def role_cpus(self, role: Role) -> tuple[int, ...]:
+        """The CPUs the workers of an engine of `role` compute on: its role's list, else
+        `worker_cpus`; none when neither is set."""
+        own = {"prefill": self.prefill_worker_cpus, "decode": self.decode_worker_cpus}.get(role)
+        text = own or self.worker_cpus
+        return parse_cpus(text) if text else ()
+
     @property
-    def worker_cpu_list(self) -> tuple[int, ...]:
-        """`worker_cpus` as CPU numbers; none when it is not set."""
-        return parse_cpus(self.worker_cpus) if self.worker_cpus else ()
+    def bound_cpus(self) -> tuple[int, ...]:
+        """Every CPU some worker is bound to: the engine and API processes keep off them."""
+        lists = (self.worker_cpus, self.prefill_worker_cpus, self.decode_worker_cpus)
+        return tuple(sorted({cpu for text in lists if text for cpu in parse_cpus(text)}))
 
     @property
     def colocated(self) -> bool:

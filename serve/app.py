@@ -47,7 +47,7 @@ _SERVE_QUEUE_PER_ADMITTED = 8
 class Ingress:
     def __init__(self, config: dict[str, Any], namespace: str) -> None:
         cfg = Config.from_dict(config)
-        keep_off(cfg.worker_cpu_list)
+        keep_off(cfg.bound_cpus)
         controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
         # The first replica's call starts the engines (a builder deployed by `serve run` only
         # created the controller); the others wait for them and get the same set.

@@ -166,11 +166,17 @@ def test_tp2_engine_equals_alone(ray_cluster, tmp_path, kind, overrides):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="keeping off a CPU needs another one")
-def test_worker_cpus_bind_the_forward_and_keep_the_engine_off_them(ray_cluster, tmp_path):
+@pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
+def test_worker_cpus_bind_the_forward_and_keep_the_engine_off_them(ray_cluster, tmp_path, role):
+    """`--worker-cpus` for a colocated engine; `--prefill-worker-cpus` / `--decode-worker-cpus`
+    for an engine of that role in a 1P1D layout."""
     save_hf_model("qwen3", tmp_path)
     cpus = sorted(os.sched_getaffinity(0))
-    cfg = config(tmp_path, max_num_seqs=8, max_num_batched_tokens=64, worker_cpus=str(cpus[-1]))
-    engine = RemoteEngine.remote(cfg.to_dict())
+    own = (
+        {"worker_cpus": str(cpus[-1])} if role == "colocated" else {"prefill": 1, f"{role}_worker_cpus": str(cpus[-1])}
+    )
+    cfg = config(tmp_path, max_num_seqs=8, max_num_batched_tokens=64, **own)
+    engine = RemoteEngine.remote(cfg.to_dict(), role, f"{role}-0")
     try:
         ray.get(engine.ready.remote())
         (worker,) = ray.get(engine.__ray_call__.remote(lambda e: e.workers))

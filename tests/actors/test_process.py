@@ -1,6 +1,6 @@
-"""`--worker-cpus`: the list is parsed and shared out among TP ranks, a bad one is a config error
-naming it, the compute stream's thread runs on its CPUs, and a process keeping off them runs on
-the rest."""
+"""`--worker-cpus` and the per-role `--prefill-worker-cpus` / `--decode-worker-cpus`: a list is
+parsed and shared out among TP ranks, a bad one is a config error naming it, the compute
+stream's thread runs on its CPUs, and a process keeping off them runs on the rest."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from actors.process import parse_cpus, rank_cpus
+from engine.build import worker_config
 from engine.config import Config, ConfigError
+from serve.config import load_config
 from worker.compute_stream import ComputeStream
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -40,6 +42,41 @@ def test_tensor_parallel_ranks_share_the_list_out():
         Config(worker_cpus="0-1", tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="1 CPUs cannot be shared out among 2"):
         Config(worker_cpus="0", prefill=1, decode_tp=2)
+
+
+def test_each_role_binds_its_own_list_and_the_engines_keep_off_both():
+    cfg = load_config(
+        ["--prefill", "1", "--prefill-worker-cpus", "0-1", "--decode-worker-cpus", "4", "--prefill-tp", "2"], {}
+    )
+    assert [worker_config(cfg, "prefill", tp_rank=r).cpus for r in range(2)] == [(0,), (1,)]
+    assert worker_config(cfg, "decode").cpus == (4,)
+    assert cfg.bound_cpus == (0, 1, 4)
+    one_side = Config(prefill=1, decode_worker_cpus="3")
+    assert (worker_config(one_side, "prefill").cpus, worker_config(one_side, "decode").cpus) == ((), (3,))
+    assert one_side.bound_cpus == (3,)
+    shared = Config(prefill=1, worker_cpus="2")
+    assert (worker_config(shared, "prefill").cpus, worker_config(shared, "decode").cpus) == ((2,), (2,))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_bad_role_lists_are_config_errors_naming_the_field_and_value(role):
+    name = f"{role}_worker_cpus"
+    with pytest.raises(ConfigError, match=f"invalid {name} '1-0': the range '1-0' runs backwards") as e:
+        Config(prefill=1, **{name: "1-0"})
+    assert e.value.field == name
+    with pytest.raises(ConfigError, match=f"invalid {name} '0': 1 CPUs cannot be shared out among 2") as e:
+        Config(prefill=1, **{name: "0", f"{role}_tp": 2})
+    assert e.value.field == name
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_role_lists_are_refused_with_worker_cpus_and_on_colocated_engines(role):
+    name = f"{role}_worker_cpus"
+    with pytest.raises(ConfigError, match=f"invalid {name} '1': give either worker_cpus \\('0'\\)") as e:
+        Config(prefill=1, worker_cpus="0", **{name: "1"})
+    assert e.value.field == name
+    with pytest.raises(ConfigError, match=f"invalid {name} '1': colocated engines \\(--prefill 0\\) have no {role}"):
+        Config(**{name: "1"})
 
 
 def test_the_compute_stream_thread_runs_on_its_cpus_and_its_creator_does_not():
