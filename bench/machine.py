@@ -154,7 +154,7 @@ def cost_from_tensors(
     attention_layers = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
-        if name.endswith("embed_tokens.weight"):
+        if name.endswith(("embed_tokens.weight", "embeddings.weight")):  # Qwen's, NemotronH's
             embed += n
         elif name.endswith("lm_head.weight"):
             lm_head += n

@@ -64,7 +64,7 @@ def test_bounds_of_a_dense_tied_model():
 
 def test_untied_model_reads_one_embedding_row_and_the_active_experts_only():
     shapes = {
-        "model.embed_tokens.weight": (16, 8),
+        "backbone.embeddings.weight": (16, 8),
         "lm_head.weight": (16, 8),
         "model.layers.0.mixer.experts.up_proj": (4, 2, 8),
         "model.layers.0.mixer.shared_experts.up_proj.weight": (2, 8),
