@@ -7,7 +7,7 @@ KERNELS := $(VENV)/.kernels
 # while it lints (each ~1 min, mostly one core).
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup lint test test-faults test-scaling soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers gpu-check clean
+.PHONY: setup lint test test-faults test-scaling soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers bench-peers-pd gpu-check clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -109,6 +109,18 @@ $(VLLM_VENV)/.installed:
 bench-peers: setup $(VLLM_VENV)/.installed
 	$(PY) -m bench.peers --json-out bench/results/peers.json
 	$(PY) -m bench.plots
+
+# vLLM's own 1P1D (NixlConnector, KV in host memory) needs NIXL in its venv: the `nixl` meta
+# package pulls both CUDA builds; the cu13 one is removed so the cu12 build (raypd's) is loaded.
+$(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install --quiet nixl==1.5.1
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y nixl-cu13
+	touch $@
+
+# raypd 1P1D against vLLM 1P1D behind bench/vllm_pd_proxy.py, as shipped and with equal CPU
+# placement (one compute core per role); ~10 min on 2 cores.
+bench-peers-pd: setup $(VLLM_VENV)/.nixl
+	$(PY) -m bench.peers_pd --json-out bench/results/peers_pd.json
 
 # On a machine with a CUDA GPU (CI never needs one): the PD equality and fault tests with the
 # caches in VRAM registered with NIXL, then the benches on the device.

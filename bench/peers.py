@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from actors.ports import free_port
@@ -188,25 +190,38 @@ def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dic
         "raypd": raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
         "vllm": vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams)),
     }
-    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams} for e in cmds}
     env = vllm_env(args.threads)
     with (
         running(cmds["raypd"], env, ports["raypd"], work / f"{kind}-raypd-server.log") as raypd_url,
         running(cmds["vllm"], env, ports["vllm"], work / f"{kind}-vllm-server.log") as vllm_url,
     ):
-        urls = {"raypd": raypd_url, "vllm": vllm_url}
-        for _ in range(args.rounds):
-            for streams in args.streams:
-                prompts = prompts_for(streams, streams * args.requests_per_stream, args.prompt_len, 1)
-                for engine, url in urls.items():
-                    settle()
-                    got, wall = asyncio.run(drive(url, kind, prompts, streams, args.max_tokens))
-                    prev, prev_wall = samples[engine][streams]
-                    samples[engine][streams] = (prev + got, prev_wall + wall)
-    return {e: {s: _summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
+        return served_rounds({"raypd": raypd_url, "vllm": vllm_url}, kind, args)
 
 
-def _summary(samples: list[Sample], wall: float) -> dict[str, float]:
+def served_rounds(
+    urls: Mapping[str, str],
+    model: str,
+    args: argparse.Namespace,
+    active: Mapping[str, Callable[[], AbstractContextManager[object]]] | None = None,
+) -> dict[str, dict[int, dict[str, float]]]:
+    """For each of `args.streams`, one round per server in turn, `args.rounds` times, each
+    started on a quiet machine; per server and stream count the summary of its rounds.
+    `active[name]()` is entered around that server's rounds only (after the machine settled):
+    a server that would load the machine while idle is paused outside them."""
+    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams} for e in urls}
+    for _ in range(args.rounds):
+        for streams in args.streams:
+            prompts = prompts_for(streams, streams * args.requests_per_stream, args.prompt_len, 1)
+            for engine, url in urls.items():
+                settle()
+                with (active or {}).get(engine, nullcontext)():
+                    got, wall = asyncio.run(drive(url, model, prompts, streams, args.max_tokens))
+                prev, prev_wall = samples[engine][streams]
+                samples[engine][streams] = (prev + got, prev_wall + wall)
+    return {e: {s: summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
+
+
+def summary(samples: list[Sample], wall: float) -> dict[str, float]:
     tpot = [(s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
     itl = [x for s in samples for x in s.itls]
     return {
@@ -217,7 +232,7 @@ def _summary(samples: list[Sample], wall: float) -> dict[str, float]:
     }
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Mean share of each output that matches up to the first differing token."""
     shares = []
     for x, y in zip(a, b, strict=False):
@@ -234,7 +249,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, ob
     row: dict[str, object] = {"model": kind, "params_m": round(params / 1e6, 1)}
     for b in BATCHES:
         tps = {e: sum(len(t) for _, out in runs[e][b] for t in out) / sum(w for w, _ in runs[e][b]) for e in runs}
-        agree = _agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1])
+        agree = agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1])
         row[f"offline_b{b}"] = {
             "raypd_tok_s": round(tps["raypd"], 1),
             "vllm_tok_s": round(tps["vllm"], 1),
@@ -263,7 +278,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, ob
     return row
 
 
-def _positive_ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
     values = [int(x) for x in text.split(",") if x]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma-separated")
@@ -274,7 +289,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=lambda t: t.split(","), default=["hybrid", "dense"])
     ap.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
-    ap.add_argument("--streams", type=_positive_ints, default=[1, 8, 32])
+    ap.add_argument("--streams", type=positive_ints, default=[1, 8, 32])
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each engine per measurement")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one after another at batch 1")
