@@ -7,7 +7,7 @@ KERNELS := $(VENV)/.kernels
 # while it lints (each ~1 min, mostly one core).
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup lint test test-faults test-scaling soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers bench-peers-pd gpu-check clean
+.PHONY: setup lint test test-faults test-scaling soak test-cluster test-multinode test-sim-long model accuracy eval-check serve bench bench-peers bench-peers-real bench-peers-pd gpu-check clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -109,6 +109,11 @@ $(VLLM_VENV)/.installed:
 bench-peers: setup $(VLLM_VENV)/.installed
 	$(PY) -m bench.peers --json-out bench/results/peers.json
 	$(PY) -m bench.plots
+
+# The same at real sizes (~0.5B random-weight checkpoints, made once in the work dir, ~6 GB),
+# with the roofline ratios and the CPU's flags; ~20 min on 2 cores.
+bench-peers-real: setup $(VLLM_VENV)/.installed
+	$(PY) -m bench.peers_real --json-out bench/results/peers_real.json
 
 # vLLM's own 1P1D (NixlConnector, KV in host memory) needs NIXL in its venv: the `nixl` meta
 # package pulls both CUDA builds; the cu13 one is removed so the cu12 build (raypd's) is loaded.

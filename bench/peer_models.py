@@ -155,6 +155,12 @@ def _real_dense() -> torch.nn.Module:
     return Qwen3ForCausalLM(cfg)
 
 
+# vLLM 0.32's CPU MoE refuses experts without a gated activation (NemotronH's are relu2):
+# `is_act_and_mul=False is supported only for CUDA, XPU and ROCm`. Its Qwen3.5(-MoE) module
+# imports torchvision, which `make .venv-vllm` uninstalls (the one pip brings breaks
+# `import vllm`). So the MoE hybrid is raypd's alone: bench.peers_real reports its figures.
+VLLM_REFUSES = {"moe": "vLLM 0.32 CPU has no MoE without a gated activation (NemotronH's experts are relu2)"}
+
 REAL_BUILDERS = {
     "dense": _real_dense,
     "hybrid": lambda: _real_nemotron_h("M-M-M*-M-M-M*-M-M-M*-M-M-M-"),

@@ -129,44 +129,41 @@ class _OfflineEngine:
             self.proc.wait(timeout=30)
 
 
-def _offline(model: Path, args: argparse.Namespace, work: Path) -> dict[str, dict[int, list[Run]]]:
-    """Both engines' offline processes, runs alternating; per engine and batch size the
-    (seconds, outputs) of every round."""
-    by_batch = {b: prompts_for(b, args.batch1_prompts if b == 1 else b, args.prompt_len, 0) for b in BATCHES}
-    seqs = str(max(BATCHES))
+def offline_runs(
+    model: Path,
+    args: argparse.Namespace,
+    work: Path,
+    batches: tuple[int, ...] = BATCHES,
+    names: tuple[str, ...] = ("raypd", "vllm"),
+) -> dict[str, dict[int, list[Run]]]:
+    """The offline processes of engines `names` (both by default), runs alternating; per
+    engine and batch size the (seconds, outputs) of every round."""
+    by_batch = {b: prompts_for(b, args.batch1_prompts if b == 1 else b, args.prompt_len, 0) for b in batches}
+    seqs = str(max(batches))
     env = vllm_env(args.threads)
-    engines = {
-        "raypd": _OfflineEngine(
-            f"{model.name}-raypd",
-            [
-                sys.executable,
-                "-m",
-                "bench.raypd_offline",
-                "--model",
-                str(model),
-                "--max-num-seqs",
-                seqs,
-                "--threads",
-                str(args.threads),
-            ],
-            env,
-            work,
-        ),
-        "vllm": _OfflineEngine(
-            f"{model.name}-vllm",
-            [
-                str(args.vllm_python),
-                str(REPO / "bench" / "vllm_offline.py"),
-                "--model",
-                str(model),
-                "--max-num-seqs",
-                seqs,
-            ],
-            env,
-            work,
-        ),
+    cmds = {
+        "raypd": [
+            sys.executable,
+            "-m",
+            "bench.raypd_offline",
+            "--model",
+            str(model),
+            "--max-num-seqs",
+            seqs,
+            "--threads",
+            str(args.threads),
+        ],
+        "vllm": [
+            str(args.vllm_python),
+            str(REPO / "bench" / "vllm_offline.py"),
+            "--model",
+            str(model),
+            "--max-num-seqs",
+            seqs,
+        ],
     }
-    runs: dict[str, dict[int, list[Run]]] = {e: {b: [] for b in BATCHES} for e in engines}
+    engines = {name: _OfflineEngine(f"{model.name}-{name}", cmds[name], env, work) for name in names}
+    runs: dict[str, dict[int, list[Run]]] = {e: {b: [] for b in batches} for e in engines}
     try:
         for b, prompts in by_batch.items():  # warm-up
             for engine in engines.values():
@@ -245,7 +242,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, ob
     model = work / kind
     params = make(kind, model)
     print(f"== {kind}: {params / 1e6:.1f}M parameters at {model}", flush=True)
-    runs = _offline(model, args, work)
+    runs = offline_runs(model, args, work)
     row: dict[str, object] = {"model": kind, "params_m": round(params / 1e6, 1)}
     for b in BATCHES:
         tps = {e: sum(len(t) for _, out in runs[e][b] for t in out) / sum(w for w, _ in runs[e][b]) for e in runs}
@@ -285,22 +282,36 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", type=lambda t: t.split(","), default=["hybrid", "dense"])
-    ap.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
-    ap.add_argument("--streams", type=positive_ints, default=[1, 8, 32])
-    ap.add_argument("--requests-per-stream", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each engine per measurement")
-    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one after another at batch 1")
+def add_run_args(
+    ap: argparse.ArgumentParser,
+    *,
+    threads: int,
+    streams: list[int],
+    requests_per_stream: int,
+    rounds: int,
+    batch1_prompts: int,
+    max_tokens: int,
+) -> None:
+    """The options bench.peers and bench.peers_real share; their defaults differ (a real-size
+    model makes a token a hundred times slower)."""
+    ap.add_argument("--threads", type=int, default=threads, help="compute threads of each engine")
+    ap.add_argument("--streams", type=positive_ints, default=streams)
+    ap.add_argument("--requests-per-stream", type=int, default=requests_per_stream)
+    ap.add_argument("--rounds", type=int, default=rounds, help="alternating runs of each engine per measurement")
+    ap.add_argument(
+        "--batch1-prompts", type=int, default=batch1_prompts, help="prompts run one after another at batch 1"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
-    ap.add_argument("--work-dir", type=Path, help="models, prompts and server logs (default: a temporary dir)")
     ap.add_argument("--json-out", type=Path)
-    args = ap.parse_args()
-    if unknown := set(args.models) - {"hybrid", "dense"}:
-        ap.error(f"--models: unknown {sorted(unknown)}; choose from hybrid, dense")
+
+
+def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace, models: list[str], make_target: str) -> None:
+    """Refuse what `add_run_args` added out of range, a model not in `models`, and a missing
+    vLLM venv (naming the make target that creates it)."""
+    if unknown := set(args.models) - set(models):
+        ap.error(f"--models: unknown {sorted(unknown)}; choose from {', '.join(models)}")
     if (
         min(args.threads, args.rounds, args.requests_per_stream, args.batch1_prompts, args.prompt_len) < 1
         or args.max_tokens < 2
@@ -309,7 +320,16 @@ def main() -> None:
             "--threads, --rounds, --requests-per-stream, --batch1-prompts, --prompt-len must be >= 1, --max-tokens >= 2"
         )
     if not args.vllm_python.is_file():
-        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make bench-peers` to create .venv-vllm")
+        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make {make_target}` to create .venv-vllm")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=lambda t: t.split(","), default=["hybrid", "dense"])
+    add_run_args(ap, threads=1, streams=[1, 8, 32], requests_per_stream=2, rounds=2, batch1_prompts=4, max_tokens=64)
+    ap.add_argument("--work-dir", type=Path, help="models, prompts and server logs (default: a temporary dir)")
+    args = ap.parse_args()
+    check_run_args(ap, args, ["hybrid", "dense"], "bench-peers")
     with tempfile.TemporaryDirectory(prefix="raypd-peers-") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
