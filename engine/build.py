@@ -44,6 +44,7 @@ def worker_config(
         device=cfg.device,
         cpus=rank_cpus(cpus, tp_rank, tp) if cpus else (),
         cpu_kernels=cfg.cpu_kernels,
+        cpu_vectors=cfg.cpu_vectors,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
         kv_cache_memory=cfg.kv_cache_memory // tp,

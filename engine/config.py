@@ -24,6 +24,7 @@ Device = Literal["auto", "cpu", "cuda"]
 FailurePolicy = Literal["recompute", "fail"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 RouterPolicy = Literal["round_robin", "least_loaded", "cache_aware"]
+CpuVectors = Literal["auto", "avx2", "avx512"]
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
 MiB = 1 << 20
@@ -68,6 +69,11 @@ class Config:
     kv_cache_dtype: Dtype = _f("auto", "KV cache dtype; auto = the model's dtype")
     device: Device = _f("auto", "auto = cuda if available, else cpu")
     cpu_kernels: bool = _f(True, "on a CPU, the C++ kernels (docs/design.md §13); off: the torch path")
+    cpu_vectors: CpuVectors = _f(
+        "auto",
+        "the C++ kernels' vector path: auto = the widest this CPU has; avx2 = the 256-bit path an AVX2-only "
+        "CPU runs, on any CPU (to measure or test it); avx512 = refused where the CPU lacks it",
+    )
     block_size: int | None = _f(None, "tokens per KV block; default: chosen for the model", lo=1)
     num_kv_blocks: int | None = _f(None, "KV blocks per engine; default: from kv_cache_memory", lo=1)
     kv_cache_memory: int = _f(256 * MiB, "KV cache bytes per engine: 1000000, 512MiB, 1GiB", lo=1, size=True)

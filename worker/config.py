@@ -20,6 +20,7 @@ class WorkerConfig:
     device: str = "cpu"  # or "auto": cuda where the worker runs has one, else cpu
     cpus: tuple[int, ...] = ()  # the CPUs the compute thread is bound to; none: not bound
     cpu_kernels: bool = True  # the C++ kernels on a CPU (kernels/cpu/ops.py)
+    cpu_vectors: str = "auto"  # their vector path: auto, avx2 or avx512 (kernels/cpu/ops.py decide)
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None

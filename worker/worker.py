@@ -110,7 +110,7 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = resolve_device(cfg.device)
         # Decided once, before the model is packed (its Linears take their panels by it).
-        self.kernels = cpu_kernels.install(cpu_kernels.decide(cfg.cpu_kernels, self.device))
+        self.kernels = cpu_kernels.install(cpu_kernels.decide(cfg.cpu_kernels, self.device, cfg.cpu_vectors))
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and DTYPE_BYTES[self.full_config.dtype] < 4:

@@ -123,10 +123,19 @@ class KernelChoice:
     panel_rows: int = 0  # up to how many rows a packed Linear takes panel_linear; 0: never
 
 
-def decide(requested: bool, device: torch.device | str = "cpu") -> KernelChoice:
+# `--cpu-vectors`: the vector width each value asks for; auto (0) takes the widest this CPU has.
+_VECTORS = {"auto": 0, "avx2": 256, "avx512": 512}
+
+
+def decide(requested: bool, device: torch.device | str = "cpu", vectors: str = "auto") -> KernelChoice:
     """The kernels a worker on `device` runs: on a CPU, unless its config turned them off
-    (`--no-cpu-kernels`) or they did not build; the widest vectors this CPU has; panel_linear
-    up to its row limit where oneDNN packs the weights it reads."""
+    (`--no-cpu-kernels`) or they did not build; the vectors `vectors` names (`--cpu-vectors`:
+    "avx2" runs an AVX2-only CPU's path on any CPU, so that it can be measured and tested on an
+    AVX-512 host), by default the widest this CPU has; panel_linear up to that width's row limit
+    where oneDNN packs the weights it reads. AVX-512 needs both /proc/cpuinfo's avx512f and the
+    kernel's own check (`panel_vector_bits`), so a CPU whose flags lack it takes 256 bits."""
+    if vectors not in _VECTORS:
+        raise ValueError(f"invalid cpu_vectors {vectors!r}: must be one of {', '.join(_VECTORS)}")
     device = torch.device(device)
     if device.type != "cpu":
         return KernelChoice(False, f"the device is {device.type}, the torch path")
@@ -135,7 +144,10 @@ def decide(requested: bool, device: torch.device | str = "cpu") -> KernelChoice:
     kernels, why = _built()
     if kernels is None:
         return KernelChoice(False, f"{why}, the torch path")
-    bits = panel_vector_bits()
+    widest = panel_vector_bits() if "avx512f" in cpu_features() else 256
+    bits = _VECTORS[vectors] or widest
+    if bits > widest:
+        raise ValueError(f"invalid cpu_vectors {vectors!r}: this CPU has no AVX-512 (no avx512f in /proc/cpuinfo)")
     rows = panel_row_limit(bits) if torch.backends.mkldnn.is_available() else 0
     return KernelChoice(True, why, bits, rows)
 
@@ -176,15 +188,17 @@ def using(choice: KernelChoice | None = None) -> Iterator[KernelChoice]:
 
 
 def summary(choice: KernelChoice, fallbacks: Sequence[str] = ()) -> str:
-    """The worker's start-up line: whether the C++ kernels run and why, their vector width,
-    and panel_linear's row limit with the packed layers it does not read (`fallbacks`: their
+    """The worker's start-up line: whether the C++ kernels run and why, which vector path runs
+    (AVX-512, AVX2, or AVX2's chosen on an AVX-512 CPU), and panel_linear's row limit with the packed layers it does not read (`fallbacks`: their
     buffers were not the checked layout, so oneDNN runs them at every row count)."""
     if not choice.on:
         return f"CPU kernels off: {choice.why}; panel_linear off"
     if choice.vector_bits == 512:
-        vectors = "AVX-512"
+        vectors = "AVX-512 vectors"
     else:
-        vectors = "AVX2" if "-mavx2" in _cpu_flags() else f"{choice.vector_bits}-bit, no AVX2"
+        vectors = "AVX2 vectors" if "-mavx2" in _cpu_flags() else f"{choice.vector_bits}-bit vectors, no AVX2"
+        if "avx512f" in cpu_features():
+            vectors += " (--cpu-vectors avx2 on an AVX-512 CPU)"
     if not choice.panel_rows:
         panels = "panel_linear off (no oneDNN packs the weights)"
     elif fallbacks:
@@ -195,7 +209,7 @@ def summary(choice: KernelChoice, fallbacks: Sequence[str] = ()) -> str:
         )
     else:
         panels = f"panel_linear on up to {choice.panel_rows} rows, on every packed layer"
-    return f"CPU kernels on: {choice.why}, {vectors} vectors; {panels}"
+    return f"CPU kernels on: {choice.why}, {vectors}; {panels}"
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -337,9 +351,9 @@ def panel_vector_bits() -> int:
 def panel_row_limit(vector_bits: int = 0) -> int:
     """Up to how many rows `panel_linear` at `vector_bits` (0: this CPU's widest) beats oneDNN
     (the model's shapes, weights streamed from memory, one core): with AVX-512 1.3-2.1x at one
-    to six rows and 1.2x at eight, even at twelve; with AVX2 1.7-1.9x at one and two rows,
-    behind from four."""
-    return 8 if (vector_bits or panel_vector_bits()) == 512 else 2
+    to six rows and 1.2x at eight, even at twelve; with AVX2, against oneDNN capped to AVX2,
+    1.2-1.5x at one to sixteen rows, on one core and two (docs/design.md §13)."""
+    return 8 if (vector_bits or panel_vector_bits()) == 512 else 16
 
 
 if __name__ == "__main__":

@@ -572,26 +572,27 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, 
 // the first one over a chunk streams it in the order the hardware prefetcher follows (passes
 // of 16 columns each, or explicit prefetches, ran at a third to half the speed). With AVX-512
 // (32 vector registers) up to six x rows share each pass, their sums for a whole 64-column row
-// in registers, and the arithmetic overlaps the stream. With AVX2 (16 registers) one row's sums
-// fill them: each row is its own pass, the first from memory and the rest from L1, so the
-// arithmetic waits on the stream, and from four rows on oneDNN is faster.
+// in registers, and the arithmetic overlaps the stream. With AVX2 (16 registers) one row's
+// sums for a 64-column row fill half of them: the first row streams the chunk alone, and the
+// others follow from L1 in groups of up to three over half rows (panel_chunk_avx2).
 constexpr int64_t kPanelChunk = 64;
 
 // Sixteen floats: one AVX-512 register in the functions built for it.
 typedef float Wide __attribute__((vector_size(16 * sizeof(float))));
 
-// G rows of x against S vectors of columns of a block's k rows k0..k1 (a whole row of it: the
-// callers pick S so), their sums carried in `acc` (G rows, `ld` apart) from chunk to chunk.
-// Inlined into each caller, so that it is built for the caller's vector width.
+// G rows of x against S vectors of columns of a block's k rows k0..k1 (`wld` floats apart: a
+// whole block row where S * width is the block's width, a slice of it otherwise), their sums
+// carried in `acc` (G rows, `ld` apart) from chunk to chunk. Inlined into each caller, so that
+// it is built for the caller's vector width.
 template <typename V, int G, int S>
-__attribute__((always_inline)) inline void panel_pass(const float* x, int64_t ldx, const float* w, int64_t k0,
-                                                      int64_t k1, float* acc, int64_t ld, bool first) {
-  constexpr int64_t width = sizeof(V) / sizeof(float), nb = S * width;
+__attribute__((always_inline)) inline void panel_pass(const float* x, int64_t ldx, const float* w, int64_t wld,
+                                                      int64_t k0, int64_t k1, float* acc, int64_t ld, bool first) {
+  constexpr int64_t width = sizeof(V) / sizeof(float);
   V sums[G][S];
   for (int g = 0; g < G; ++g)
     for (int s = 0; s < S; ++s) sums[g][s] = first ? V{} : load<V>(acc + g * ld + s * width);
   for (int64_t k = k0; k < k1; ++k) {
-    const float* row = w + k * nb;
+    const float* row = w + k * wld;
     V wv[S];
     for (int s = 0; s < S; ++s) wv[s] = load<V>(row + s * width);
     for (int g = 0; g < G; ++g) {
@@ -603,17 +604,52 @@ __attribute__((always_inline)) inline void panel_pass(const float* x, int64_t ld
     for (int s = 0; s < S; ++s) store(acc + g * ld + s * width, sums[g][s]);
 }
 
+// One row over whole block rows: the pass that streams a chunk from memory.
+void panel_row_avx2(const float* x, const float* block, int64_t nb, int64_t k0, int64_t k1, float* acc, bool first) {
+  switch (nb) {
+    case 16: panel_pass<Lanes, 1, 2>(x, 0, block, nb, k0, k1, acc, nb, first); break;
+    case 32: panel_pass<Lanes, 1, 4>(x, 0, block, nb, k0, k1, acc, nb, first); break;
+    case 48: panel_pass<Lanes, 1, 6>(x, 0, block, nb, k0, k1, acc, nb, first); break;
+    default: panel_pass<Lanes, 1, 8>(x, 0, block, nb, k0, k1, acc, nb, first); break;
+  }
+}
+
+// G (1-3) rows against a slice of S vectors (S * 8 columns) of each block row, from L1.
+template <int S>
+void panel_slice_avx2(const float* x, int64_t ldx, int64_t group, const float* w, int64_t nb, int64_t k0, int64_t k1,
+                      float* acc, bool first) {
+  switch (group) {
+    case 1: panel_pass<Lanes, 1, S>(x, ldx, w, nb, k0, k1, acc, nb, first); break;
+    case 2: panel_pass<Lanes, 2, S>(x, ldx, w, nb, k0, k1, acc, nb, first); break;
+    default: panel_pass<Lanes, 3, S>(x, ldx, w, nb, k0, k1, acc, nb, first); break;
+  }
+}
+
+// The first row streams the chunk from memory over whole block rows; the rest share its reads
+// from L1 in groups of up to three, over slices of at most 32 columns, so that a group's sums
+// (twelve) and the broadcast x fit AVX2's 16 registers, the weights taken as FMA memory
+// operands. Row by row (eight sums each) the arithmetic waited on one row's sums.
 void panel_chunk_avx2(const float* x, int64_t ldx, int64_t rows, const float* block, int64_t nb, int64_t k0,
                       int64_t k1, float* acc, bool first) {
-  for (int64_t r = 0; r < rows; ++r) {
+  panel_row_avx2(x, block, nb, k0, k1, acc, first);
+  const int64_t slice = nb <= 32 ? nb : nb / 2;
+  for (int64_t r = 1; r < rows;) {
+    const int64_t left = rows - r, groups = (left + 2) / 3, group = (left + groups - 1) / groups;
     const float* xr = x + r * ldx;
-    float* ar = acc + r * nb;
-    switch (nb) {
-      case 16: panel_pass<Lanes, 1, 2>(xr, ldx, block, k0, k1, ar, nb, first); break;
-      case 32: panel_pass<Lanes, 1, 4>(xr, ldx, block, k0, k1, ar, nb, first); break;
-      case 48: panel_pass<Lanes, 1, 6>(xr, ldx, block, k0, k1, ar, nb, first); break;
-      default: panel_pass<Lanes, 1, 8>(xr, ldx, block, k0, k1, ar, nb, first); break;
+    if (group == 1) {  // a lone row keeps its eight sums: four chains of FMAs wait on their latency
+      panel_row_avx2(xr, block, nb, k0, k1, acc + r * nb, first);
+      r += 1;
+      continue;
     }
+    for (int64_t c = 0; c < nb; c += slice) {
+      float* ar = acc + r * nb + c;
+      switch (slice) {
+        case 16: panel_slice_avx2<2>(xr, ldx, group, block + c, nb, k0, k1, ar, first); break;
+        case 24: panel_slice_avx2<3>(xr, ldx, group, block + c, nb, k0, k1, ar, first); break;
+        default: panel_slice_avx2<4>(xr, ldx, group, block + c, nb, k0, k1, ar, first); break;
+      }
+    }
+    r += group;
   }
 }
 
@@ -622,10 +658,10 @@ __attribute__((target("avx512f"))) void panel_group_avx512(const float* x, int64
                                                             int64_t nb, int64_t k0, int64_t k1, float* acc,
                                                             bool first) {
   switch (nb) {
-    case 16: panel_pass<Wide, G, 1>(x, ldx, block, k0, k1, acc, nb, first); break;
-    case 32: panel_pass<Wide, G, 2>(x, ldx, block, k0, k1, acc, nb, first); break;
-    case 48: panel_pass<Wide, G, 3>(x, ldx, block, k0, k1, acc, nb, first); break;
-    default: panel_pass<Wide, G, 4>(x, ldx, block, k0, k1, acc, nb, first); break;
+    case 16: panel_pass<Wide, G, 1>(x, ldx, block, nb, k0, k1, acc, nb, first); break;
+    case 32: panel_pass<Wide, G, 2>(x, ldx, block, nb, k0, k1, acc, nb, first); break;
+    case 48: panel_pass<Wide, G, 3>(x, ldx, block, nb, k0, k1, acc, nb, first); break;
+    default: panel_pass<Wide, G, 4>(x, ldx, block, nb, k0, k1, acc, nb, first); break;
   }
 }
 
@@ -638,7 +674,7 @@ void panel_chunk_avx512(const float* x, int64_t ldx, int64_t rows, const float* 
     const float* xr = x + r * ldx;
     float* ar = acc + r * nb;
     switch (group) {
-      case 1: panel_chunk_avx2(xr, ldx, 1, block, nb, k0, k1, ar, first); break;
+      case 1: panel_row_avx2(xr, block, nb, k0, k1, ar, first); break;
       case 2: panel_group_avx512<2>(xr, ldx, block, nb, k0, k1, ar, first); break;
       case 3: panel_group_avx512<3>(xr, ldx, block, nb, k0, k1, ar, first); break;
       case 4: panel_group_avx512<4>(xr, ldx, block, nb, k0, k1, ar, first); break;

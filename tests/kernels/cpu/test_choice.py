@@ -23,6 +23,25 @@ def test_on_a_cpu_the_kernels_run_at_this_cpus_widest_vectors():
     assert choice.panel_rows == (cpu_kernels.panel_row_limit() if torch.backends.mkldnn.is_available() else 0)
 
 
+def test_a_cpu_without_avx512_takes_the_256_bit_path(monkeypatch):
+    """What an AVX2-only CPU decides: its flags lack avx512f, whatever the kernel's own check."""
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx", "avx2", "fma", "sse4_2"}))
+    choice = cpu_kernels.decide(True)
+    assert choice.on and choice.vector_bits == 256
+    assert choice.panel_rows == (cpu_kernels.panel_row_limit(256) if torch.backends.mkldnn.is_available() else 0)
+    with pytest.raises(ValueError, match="invalid cpu_vectors 'avx512': this CPU has no AVX-512"):
+        cpu_kernels.decide(True, "cpu", "avx512")
+
+
+def test_cpu_vectors_avx2_runs_the_256_bit_path_on_any_cpu():
+    choice = cpu_kernels.decide(True, "cpu", "avx2")
+    assert choice.on and choice.vector_bits == 256
+    assert choice.panel_rows == (cpu_kernels.panel_row_limit(256) if torch.backends.mkldnn.is_available() else 0)
+    assert cpu_kernels.decide(True, "cpu", "auto") == cpu_kernels.decide(True)
+    with pytest.raises(ValueError, match="invalid cpu_vectors 'sse': must be one of auto, avx2, avx512"):
+        cpu_kernels.decide(True, "cpu", "sse")
+
+
 @pytest.mark.parametrize(
     ("requested", "device", "why"),
     [(False, "cpu", "--no-cpu-kernels"), (True, "cuda", "the device is cuda"), (True, "meta", "the device is meta")],
@@ -56,10 +75,27 @@ def test_the_start_up_line_says_what_runs():
     )
     narrow = replace(on, vector_bits=256, panel_rows=2)
     avx2 = "AVX2" if {"avx2", "fma"} <= cpu_kernels.cpu_features() else "256-bit, no AVX2"
+    if "avx512f" in cpu_kernels.cpu_features():
+        avx2 += " vectors (--cpu-vectors avx2 on an AVX-512 CPU)"
+    else:
+        avx2 += " vectors"
     names = [f"layers.{i}.mlp" for i in range(8)]
     assert cpu_kernels.summary(narrow, names) == (
-        f"CPU kernels on: built and loaded from /x, {avx2} vectors; panel_linear on up to 2 rows, 8 packed layer(s) left to "
+        f"CPU kernels on: built and loaded from /x, {avx2}; panel_linear on up to 2 rows, 8 packed layer(s) left to "
         "oneDNN (layout not the checked one): layers.0.mlp, layers.1.mlp, layers.2.mlp, layers.3.mlp, "
         "layers.4.mlp, layers.5.mlp and 2 more"
     )
     assert cpu_kernels.summary(replace(on, panel_rows=0)).endswith("panel_linear off (no oneDNN packs the weights)")
+
+
+def test_the_flag_and_the_variable_reach_each_workers_choice():
+    """`--cpu-vectors avx2` (or RAYPD_CPU_VECTORS) travels in the engine's config to every worker's,
+    which decides by it."""
+    from engine.build import worker_config
+    from serve.config import load_config
+
+    for cfg in (load_config(["--cpu-vectors", "avx2"], {}), load_config([], {"RAYPD_CPU_VECTORS": "AVX2"})):
+        worker = worker_config(cfg)
+        assert worker.cpu_vectors == "avx2"
+        assert cpu_kernels.decide(worker.cpu_kernels, "cpu", worker.cpu_vectors).vector_bits == 256
+    assert worker_config(load_config([], {})).cpu_vectors == "auto"

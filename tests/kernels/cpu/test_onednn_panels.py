@@ -110,7 +110,7 @@ def _panel_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("bits", VECTOR_BITS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 32])
 def test_a_packed_linear_takes_the_panel_kernel_for_a_decode_steps_rows(rows, bits, monkeypatch):
     """At either vector width (256 bits: what an AVX2 CPU decides), up to its row limit."""
     if documented_layout() == "plain":

@@ -308,11 +308,13 @@ def _as_panels(weight: torch.Tensor, nb: int, kp: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", VECTOR_BITS)
 @pytest.mark.parametrize("nb", [16, 32, 48, 64])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7, 13])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
 def test_panel_linear_matches_the_plain_matmul(bits, nb, rows):
-    """Both vector widths, every block width, row groups of one to six (seven and thirteen rows
-    split unevenly), output features that leave the last block part-filled, and a k that is
-    not a multiple of the chunk or the padding."""
+    """Both vector widths, every block width and so every column slice of the 256-bit groups
+    (whole blocks of 16 and 32, halves of 48 and 64), row groups of one to six at 512 bits and
+    one to three after the streaming row at 256 (seven, thirteen and sixteen rows split
+    unevenly), output features that leave the last block part-filled, and a k that is not a
+    multiple of the chunk or the padding."""
     torch.manual_seed(nb * 100 + rows)
     weight, bias = torch.randn(150, 131), torch.randn(150)
     panels = _as_panels(weight, nb, kp=144)
