@@ -230,9 +230,16 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
                         vllm_out = asyncio.run(_greedy(vllm.url, kind, prompts, args.max_tokens))
                     row["greedy_agreement"] = round(agreement(raypd_out, vllm_out), 4)
                     print(f"greedy agreement raypd / vLLM: {row['greedy_agreement']:.4f}", flush=True)
-                served = served_rounds(
-                    {"raypd": raypd_url, "vllm": vllm.url}, kind, args, active={"vllm": vllm.resumed}
-                )
+                served: dict[str, dict[int, dict[str, float]]] = {"raypd": {}, "vllm": {}}
+                for streams in args.streams:
+                    one = argparse.Namespace(**vars(args))
+                    one.streams = [streams]
+                    one.requests_per_stream = max(args.requests_per_stream, math.ceil(args.min_requests / streams))
+                    got = served_rounds(
+                        {"raypd": raypd_url, "vllm": vllm.url}, kind, one, active={"vllm": vllm.resumed}
+                    )
+                    for engine in served:
+                        served[engine] |= got[engine]
             for streams in args.streams:
                 ours, theirs = served["raypd"][streams], served["vllm"][streams]
                 row.setdefault(f"pd_c{streams}", {})[placement] = {
@@ -298,7 +305,8 @@ def main() -> None:
     ap.add_argument("--models", type=lambda t: t.split(","), default=["hybrid", "dense"])
     ap.add_argument("--placement", type=lambda t: t.split(","), default=list(PLACEMENTS))
     ap.add_argument("--streams", type=positive_ints, default=[1, 8, 32])
-    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--requests-per-stream", type=int, default=1)
+    ap.add_argument("--min-requests", type=int, default=4, help="requests per run at least (1 stream: one by one)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating runs of each system per measurement")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -311,8 +319,14 @@ def main() -> None:
         ap.error(f"--models: unknown {sorted(unknown)}; choose from hybrid, dense")
     if unknown := set(args.placement) - set(PLACEMENTS):
         ap.error(f"--placement: unknown {sorted(unknown)}; choose from {', '.join(PLACEMENTS)}")
-    if min(args.rounds, args.requests_per_stream, args.prompt_len, args.greedy_prompts) < 1 or args.max_tokens < 2:
-        ap.error("--rounds, --requests-per-stream, --prompt-len, --greedy-prompts must be >= 1, --max-tokens >= 2")
+    if (
+        min(args.rounds, args.requests_per_stream, args.min_requests, args.prompt_len, args.greedy_prompts) < 1
+        or args.max_tokens < 2
+    ):
+        ap.error(
+            "--rounds, --requests-per-stream, --min-requests, --prompt-len, --greedy-prompts must be >= 1, "
+            "--max-tokens >= 2"
+        )
     if len(os.sched_getaffinity(0)) < len(ROLE_CPU) or not set(ROLE_CPU.values()) <= os.sched_getaffinity(0):
         ap.error(
             f"the placements need CPUs {sorted(ROLE_CPU.values())}; this process may use {sorted(os.sched_getaffinity(0))}"
