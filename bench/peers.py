@@ -105,6 +105,7 @@ class _OfflineEngine:
     def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
         self._count += 1
         out = self.work / f"{self.name}-offline-{self._count}.json"
+        out.unlink(missing_ok=True)  # an earlier run's result in a reused --work-dir is not this one's
         assert self.proc.stdin is not None
         cmd = {"prompts": prompts, "batch": batch, "max_tokens": max_tokens, "out": str(out)}
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
