@@ -7,6 +7,8 @@ the driver's session would compete with everything else started from there):
     {"prompts": [[token ids], ...], "batch": 32, "max_tokens": 64, "out": "/path/result.json"}
 
     python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1
+
+RAYPD_CPU_VECTORS=avx2 runs the kernels' AVX2 path, as `--cpu-vectors` does for the server.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import json
 import os
 import sys
 import time
+from typing import cast
 
 import torch
 
 from actors.process import freeze_startup_objects
-from engine.config import Config
+from engine.config import Config, CpuVectors
 from engine.core import EngineCore
 from engine.local import build_local_engine
 from engine.messages import SamplingParams
@@ -52,6 +55,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         seed=0,
         worker_cpus=f"0-{args.threads - 1}",
+        # As the server reads it (docs/configuration.md): the AVX2 path on an AVX-512 host.
+        cpu_vectors=cast(CpuVectors, os.environ.get("RAYPD_CPU_VECTORS", "auto").lower()),  # Config checks it
     )
     core, worker = build_local_engine(cfg)
     freeze_startup_objects()  # as the worker and engine actors do
