@@ -177,10 +177,16 @@ def _attend_chunks(
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)
     values = _gather(v_cache, table, padding)
-    qp = q.new_zeros((reqs, max_query_len, heads, head_dim))
-    qp[token_req, token_local] = q
-    qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
-    qpos[token_req, token_local] = positions
+    # One chunk (a prompt's prefill on its own): its queries, in order, are the padded batch
+    # already; padding them was four copies and index writes of [N, H, D] per layer.
+    alone = reqs == 1 and q.shape[0] == max_query_len
+    if alone:
+        qp, qpos = q[None], positions[None]
+    else:
+        qp = q.new_zeros((reqs, max_query_len, heads, head_dim))
+        qp[token_req, token_local] = q
+        qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
+        qpos[token_req, token_local] = positions
     causal = torch.arange(keys.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None]  # [R, Q, S]
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2),
@@ -190,7 +196,7 @@ def _attend_chunks(
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2)[token_req, token_local]
+    return out.transpose(1, 2)[0] if alone else out.transpose(1, 2)[token_req, token_local]
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

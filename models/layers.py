@@ -270,6 +270,12 @@ class Rotary(nn.Module):
         Rotary._last = (positions, key, cos, sin)
         return cos, sin
 
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [N, head_dim] for flat positions [N], as `forward` multiplies by
+        them (views of the shared table), for a kernel that rotates in its own pass."""
+        cos, signed_sin = self._table(positions, dtype)
+        return cos.view(-1, self.head_dim), signed_sin.view(-1, self.head_dim)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., T, heads, head_dim]; positions broadcastable to [..., T]."""
         cos, signed_sin = self._table(positions, x.dtype)

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kernels.cpu import ops as cpu_kernels
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
@@ -57,8 +58,13 @@ class Qwen3Attention(ProjectionStacks):
             v = v.view(*shape, self.kv_heads, self.head_dim)
             return self.rotary(q, positions), self.rotary(k, positions), v
         qkv = qkv_proj(h).view(*shape, self.heads + 2 * self.kv_heads, self.head_dim)
-        qk = self.q_norm.normalize(qkv[..., : self.heads + self.kv_heads, :]) * self.qk_norm_weight
-        qk = self.rotary(qk, positions)
+        qk = qkv[..., : self.heads + self.kv_heads, :]
+        if qkv.dim() == 3 and qkv.dtype == torch.float32 and cpu_kernels.usable(qkv, self.qk_norm_weight):
+            # A flat step on a CPU: norm, weight and rotation in one kernel pass (docs/design.md §13).
+            cos, sin = self.rotary.table(positions, qkv.dtype)
+            qk = cpu_kernels.qk_norm_rope(qk, self.qk_norm_weight, cos, sin, self.q_norm.eps)
+        else:
+            qk = self.rotary(self.q_norm.normalize(qk) * self.qk_norm_weight, positions)
         return qk[..., : self.heads, :], qk[..., self.heads :, :], qkv[..., self.heads + self.kv_heads :, :]
 
     def forward_dense(self, h: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return kernels.gated_rms_norm(x, gate, weight, group, eps)
 
 
+def qk_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Qwen3's q and k heads x [T, heads, D] (fp32 CPU, D contiguous): each RMS-normalised,
+    times its row of `weight` [heads, D], then rotated by the rotary table's `cos` and signed
+    `sin` [T, D] (`x * cos + roll(x, D / 2) * sin`), in one pass; bit for bit the torch ops.
+    Returns a new [T, heads, D]."""
+    kernels = load()
+    assert kernels is not None, "qk_norm_rope called without usable() kernels"
+    return kernels.qk_norm_rope(x, weight, cos, sin, eps)
+
+
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, vector_bits: int = 0
 ) -> torch.Tensor:
