@@ -207,6 +207,10 @@ def main() -> None:
                 f"{r['bandwidth_gb_s']:.1f} GB/s), TTFT / bound {ratios['ttft_ratio']:.2f} "
                 f"(bound {r['ttft_bound_ms']:.0f} ms: {r['prompt_gflop']:.1f} GFLOP at {r['matmul_peak_gflop_s']:.0f} GFLOP/s)"
             )
+    for r in rows:
+        if "greedy_agreement" in r["offline_b1"]:
+            shares = ", ".join(f"batch {b} {r[f'offline_b{b}']['greedy_agreement']:.4f}" for b in BATCHES)
+            print(f"greedy agreement {r['model']}: {shares}")
     if args.json_out:
         args.json_out.write_text(json.dumps({"threads": args.threads, "cpu": cpu_line(), "rows": rows}, indent=1))
     print(json.dumps(headline(rows, args.streams)))
