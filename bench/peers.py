@@ -308,11 +308,18 @@ def add_run_args(
     ap.add_argument("--json-out", type=Path)
 
 
-def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace, models: list[str], make_target: str) -> None:
-    """Refuse what `add_run_args` added out of range, a model not in `models`, and a missing
-    vLLM venv (naming the make target that creates it)."""
+def check_peer_args(ap: argparse.ArgumentParser, args: argparse.Namespace, models: list[str], make_target: str) -> None:
+    """Refuse a model not in `models` and a missing vLLM venv (naming the make target that
+    creates it): what every comparison with vLLM checks first."""
     if unknown := set(args.models) - set(models):
         ap.error(f"--models: unknown {sorted(unknown)}; choose from {', '.join(models)}")
+    if not args.vllm_python.is_file():
+        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make {make_target}` to create .venv-vllm")
+
+
+def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace, models: list[str], make_target: str) -> None:
+    """`check_peer_args`, and refuse what `add_run_args` added out of range."""
+    check_peer_args(ap, args, models, make_target)
     if (
         min(args.threads, args.rounds, args.requests_per_stream, args.batch1_prompts, args.prompt_len) < 1
         or args.max_tokens < 2
@@ -320,8 +327,6 @@ def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace, models
         ap.error(
             "--threads, --rounds, --requests-per-stream, --batch1-prompts, --prompt-len must be >= 1, --max-tokens >= 2"
         )
-    if not args.vllm_python.is_file():
-        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make {make_target}` to create .venv-vllm")
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ from actors.ports import free_port
 from bench.machine import cpu_line
 from bench.peer_models import make
 from bench.peer_servers import REPO, Server, raypd_command, running, running_all, vllm_command, vllm_env
-from bench.peers import agreement, positive_ints, prompts_for, served_rounds
+from bench.peers import agreement, check_peer_args, positive_ints, prompts_for, served_rounds
 
 PLACEMENTS = ("shipped", "equal")
 ROLE_CPU = {"prefill": 0, "decode": 1}
@@ -315,8 +315,7 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, help="models and server logs (default: a temporary dir)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
-    if unknown := set(args.models) - {"hybrid", "dense"}:
-        ap.error(f"--models: unknown {sorted(unknown)}; choose from hybrid, dense")
+    check_peer_args(ap, args, ["hybrid", "dense"], "bench-peers-pd")
     if unknown := set(args.placement) - set(PLACEMENTS):
         ap.error(f"--placement: unknown {sorted(unknown)}; choose from {', '.join(PLACEMENTS)}")
     if (
@@ -331,8 +330,6 @@ def main() -> None:
         ap.error(
             f"the placements need CPUs {sorted(ROLE_CPU.values())}; this process may use {sorted(os.sched_getaffinity(0))}"
         )
-    if not args.vllm_python.is_file():
-        ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make bench-peers-pd` to create .venv-vllm")
     args.placement = [p for p in PLACEMENTS if p in args.placement]  # shipped first: `equal` re-places vLLM
     args.max_num_seqs = max(args.streams)
     print(cpu_line(), flush=True)

@@ -8,7 +8,8 @@ the driver's session would compete with everything else started from there):
 
     python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1
 
-RAYPD_CPU_VECTORS=avx2 runs the kernels' AVX2 path, as `--cpu-vectors` does for the server.
+`RAYPD_*` variables apply as they do to the server (serve/config.py), e.g. RAYPD_CPU_VECTORS=avx2
+runs the kernels' AVX2 path.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import json
 import os
 import sys
 import time
-from typing import cast
 
 import torch
 
 from actors.process import freeze_startup_objects
-from engine.config import Config, CpuVectors
 from engine.core import EngineCore
 from engine.local import build_local_engine
 from engine.messages import SamplingParams
+from serve.config import config_from
 
 
 async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -48,16 +48,16 @@ async def generate(core: EngineCore, prompts: list[list[int]], max_tokens: int) 
 async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     # The forward on the cores vLLM's compute threads are bound to (bench/peer_servers.vllm_env).
-    cfg = Config(
+    # These fields over the server's other layers (RAYPD_* variables: --cpu-vectors among them).
+    fields = argparse.Namespace(
         model=args.model,
         dtype="float32",
         device="cpu",
         max_num_seqs=args.max_num_seqs,
         seed=0,
         worker_cpus=f"0-{args.threads - 1}",
-        # As the server reads it (docs/configuration.md): the AVX2 path on an AVX-512 host.
-        cpu_vectors=cast(CpuVectors, os.environ.get("RAYPD_CPU_VECTORS", "auto").lower()),  # Config checks it
     )
+    cfg = config_from(fields)
     core, worker = build_local_engine(cfg)
     freeze_startup_objects()  # as the worker and engine actors do
     try:
