@@ -10,6 +10,12 @@ calling the actor directly) go to the client "", and are dropped if no such clie
 
 A client that stops taking its outputs (its replica died) is forgotten after `stale_s`: its
 requests are aborted, so a dead replica's streams do not hold KV blocks until `max_tokens`.
+Stale means outputs waiting `stale_s` with nobody come for them: not a client that is waiting
+in `get` (an output channel's pusher waits there through any idle spell), and not one whose
+last call was long ago but whose outputs have only just come (a client polling over Ray stops
+between requests). Counting from the last call alone, the first output after a minute idle
+forgot the client that was waiting for it, and that client's pusher then waited on the
+forgotten queue for good: every later request of that replica hung.
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ class _Queue:
     batches: list[OutputBatch] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     last_take: float = field(default_factory=time.monotonic)
+    pending_since: float = 0.0  # when `batches` last went from empty to not
+    waiters: int = 0  # calls of `get` waiting on `ready`
+
+    def stale(self, now: float, stale_s: float) -> bool:
+        """Outputs have waited `stale_s` (0: any wait), since they came or since the last call,
+        whichever is later, with no call waiting for them."""
+        return bool(self.batches) and not self.waiters and now - max(self.last_take, self.pending_since) >= stale_s
 
 
 def split(batch: OutputBatch, owner_of: Callable[[str], str]) -> dict[str, OutputBatch]:
@@ -87,10 +100,13 @@ class OutputMux:
         queue = self._queue(client)
         queue.last_take = time.monotonic()
         if not queue.batches:
+            queue.waiters += 1
             try:
                 await asyncio.wait_for(queue.ready.wait(), timeout)
             except TimeoutError:
                 return []
+            finally:
+                queue.waiters -= 1
         out, queue.batches = queue.batches, []
         queue.ready.clear()
         queue.last_take = time.monotonic()
@@ -120,6 +136,8 @@ class OutputMux:
                 for client, part in split(batch, self._owner_of).items():
                     queue = self._queues.get(client)
                     if queue is not None:  # else nobody will ever read it (a forgotten client's)
+                        if not queue.batches:
+                            queue.pending_since = time.monotonic()
                         queue.batches.append(part)
                         queue.ready.set()
                 for out in batch.others:
@@ -130,7 +148,7 @@ class OutputMux:
     def _forget_stale(self) -> None:
         now = time.monotonic()
         for client, queue in list(self._queues.items()):
-            if client and queue.batches and now - queue.last_take > self._stale_s:
+            if client and queue.stale(now, self._stale_s):
                 mine = [r for r, c in self._owner.items() if c == client]
                 log.warning(
                     "output client %s took nothing for %.0f s: aborting its %d requests",

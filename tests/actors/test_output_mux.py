@@ -75,3 +75,48 @@ def test_a_client_that_stops_reading_has_its_requests_aborted():
         return core.aborted
 
     assert asyncio.run(asyncio.wait_for(main(), 10)) == ["a1"]
+
+
+def test_a_client_waiting_through_an_idle_spell_gets_the_next_outputs():
+    """An output channel's pusher waits in `get` for as long as the engine is idle: the first
+    output after a spell longer than `stale_s` is its, not a reason to forget it (which left the
+    pusher waiting on a forgotten queue and every later request of its replica hanging)."""
+
+    async def main():
+        core = _Core()
+        mux = OutputMux(core.take, core.aborted.append, stale_s=0.0)
+        waiting = asyncio.create_task(mux.get("A", None))
+        await asyncio.sleep(0.05)  # idle for longer than stale_s, the pusher waiting throughout
+        for n in range(3):
+            mux.own(f"a{n}", "A")
+            core.published.put_nowait([_batch({f"a{n}": n})])  # still running
+            got = await asyncio.wait_for(waiting, 5)
+            assert [list(b.req_ids) for b in got] == [[f"a{n}"]]
+            waiting = asyncio.create_task(mux.get("A", None))
+            await asyncio.sleep(0.05)
+        waiting.cancel()
+        await mux.close()
+        return core.aborted
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == []
+
+
+def test_a_client_polling_after_a_pause_is_not_forgotten_on_arrival():
+    """A client polling over Ray stops between requests; its last call long ago, the outputs
+    of its next request are stale only once they have waited `stale_s` themselves."""
+
+    async def main():
+        core = _Core()
+        mux = OutputMux(core.take, core.aborted.append, stale_s=0.2)
+        mux.own("a0", "A")
+        core.published.put_nowait([_batch({"a0": 0}, finished=("a0",))])
+        assert [list(b.req_ids) for b in await mux.get("A", 5)] == [["a0"]]
+        await asyncio.sleep(0.3)  # the client's last call is now older than stale_s
+        mux.own("a1", "A")
+        core.published.put_nowait([_batch({"a1": 1})])
+        await asyncio.sleep(0)  # the pump takes the batch and looks for stale clients
+        assert [list(b.req_ids) for b in await mux.get("A", 5)] == [["a1"]]
+        await mux.close()
+        return core.aborted
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == []
