@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -791,10 +792,14 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const float *x_ptr = x.data_ptr<float>(), *w_ptr = panels.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kp * nb));  // >= 256 KB of weight a task
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  // Blocks are handed out one at a time from a shared counter rather than split into one
+  // fixed range a thread: a thread that the OS preempts (the server's other processes share
+  // these cores) leaves its blocks to the others instead of holding up the whole call.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> acc(rows * nb);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
       const float* block = w_ptr + b * kp * nb;
       for (int64_t k0 = 0; k0 < k_len; k0 += kPanelChunk)
         chunk(x_ptr, ldx, rows, block, nb, k0, std::min(k_len, k0 + kPanelChunk), acc.data(), k0 == 0);
