@@ -64,6 +64,12 @@ class LoadedModel:
     skipped: tuple[str, ...] = ()  # checkpoint tensors not served (vision tower, MTP heads)
 
 
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """The bytes of the checkpoint's weight files, read before loading them: how much memory a
+    decode step streams, which decides the CPU kernels a worker runs (kernels/cpu/ops.py)."""
+    return sum(f.stat().st_size for f in _weight_files(Path(model_dir)))
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.exists():

@@ -43,7 +43,7 @@ from models.batch import ForwardBatch, SeqChunk, build_forward_batch
 from models.config import ModelConfig
 from models.dtypes import DTYPE_BYTES, dtype_name
 from models.layers import panel_fallbacks
-from models.loader import load_model
+from models.loader import checkpoint_bytes, load_model
 from models.model_files import load_config, load_generation_config
 from models.tensor_parallel import init_tp_group
 from worker.compute_stream import ComputeStream
@@ -109,12 +109,17 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = resolve_device(cfg.device)
-        # Decided once, before the model is packed (its Linears take their panels by it).
-        self.kernels = cpu_kernels.install(cpu_kernels.decide(cfg.cpu_kernels, self.device, cfg.cpu_vectors))
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and DTYPE_BYTES[self.full_config.dtype] < 4:
             weights = "float32"  # half-precision matmuls run several times slower than fp32 on CPUs
+        # Decided once, before the model is packed (its Linears take their panels by it), for
+        # the weights this rank will hold.
+        stored = DTYPE_BYTES[self.full_config.dtype]
+        held = checkpoint_bytes(cfg.model_dir) * DTYPE_BYTES[weights or self.full_config.dtype] // stored // cfg.tp_size
+        self.kernels = cpu_kernels.install(
+            cpu_kernels.decide(cfg.cpu_kernels, self.device, cfg.cpu_vectors, weight_bytes=held)
+        )
         self.tp = init_tp_group(cfg.tp_rank, cfg.tp_size, cfg.tp_init_method, self.device)
         loaded = load_model(
             cfg.model_dir, dtype=getattr(torch, weights) if weights else None, device=self.device, tp=self.tp

@@ -127,12 +127,15 @@ class KernelChoice:
 _VECTORS = {"auto": 0, "avx2": 256, "avx512": 512}
 
 
-def decide(requested: bool, device: torch.device | str = "cpu", vectors: str = "auto") -> KernelChoice:
+def decide(
+    requested: bool, device: torch.device | str = "cpu", vectors: str = "auto", weight_bytes: int = 0
+) -> KernelChoice:
     """The kernels a worker on `device` runs: on a CPU, unless its config turned them off
     (`--no-cpu-kernels`) or they did not build; the vectors `vectors` names (`--cpu-vectors`:
     "avx2" runs an AVX2-only CPU's path on any CPU, so that it can be measured and tested on an
     AVX-512 host), by default the widest this CPU has; panel_linear up to that width's row limit
-    where oneDNN packs the weights it reads. AVX-512 needs both /proc/cpuinfo's avx512f and the
+    for a model of `weight_bytes` (`panel_row_limit`) where oneDNN packs the weights it reads.
+    AVX-512 needs both /proc/cpuinfo's avx512f and the
     kernel's own check (`panel_vector_bits`), so a CPU whose flags lack it takes 256 bits."""
     if vectors not in _VECTORS:
         raise ValueError(f"invalid cpu_vectors {vectors!r}: must be one of {', '.join(_VECTORS)}")
@@ -148,7 +151,7 @@ def decide(requested: bool, device: torch.device | str = "cpu", vectors: str = "
     bits = _VECTORS[vectors] or widest
     if bits > widest:
         raise ValueError(f"invalid cpu_vectors {vectors!r}: this CPU has no AVX-512 (no avx512f in /proc/cpuinfo)")
-    rows = panel_row_limit(bits) if torch.backends.mkldnn.is_available() else 0
+    rows = panel_row_limit(bits, weight_bytes) if torch.backends.mkldnn.is_available() else 0
     return KernelChoice(True, why, bits, rows)
 
 
@@ -360,12 +363,34 @@ def panel_vector_bits() -> int:
     return int(kernels.panel_vector_bits())
 
 
-def panel_row_limit(vector_bits: int = 0) -> int:
+def panel_row_limit(vector_bits: int = 0, weight_bytes: int = 0) -> int:
     """Up to how many rows `panel_linear` at `vector_bits` (0: this CPU's widest) beats oneDNN
-    (the model's shapes, weights streamed from memory, one core): with AVX-512 1.3-2.1x at one
-    to six rows and 1.2x at eight, even at twelve; with AVX2, against oneDNN capped to AVX2,
-    1.2-1.5x at one to sixteen rows, on one core and two (docs/design.md §13)."""
-    return 8 if (vector_bits or panel_vector_bits()) == 512 else 16
+    for a model whose weights take `weight_bytes` (0: a small one) (docs/design.md §13). With
+    AVX2, against oneDNN capped to AVX2, 1.2-1.5x at one to sixteen rows, weights streamed from
+    memory, on one core and two. With AVX-512 it depends on where the weights come from: a
+    bench model's (within the last-level cache) decode steps of 4 and 8 rows ran 1.2-1.3x
+    faster on 2 threads, but with a real-size model's streamed from memory the kernel only
+    matches oneDNN at one and two rows, and a 4-row step ran 1.6x slower."""
+    if (vector_bits or panel_vector_bits()) != 512:
+        return 16
+    return 8 if weight_bytes <= last_level_cache_bytes() else 2
+
+
+@cache
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs lists for CPU 0 (its L3, shared), or 32 MiB where none is
+    listed: whether a model's weights can stay in cache from one decode step to the next."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
 
 
 if __name__ == "__main__":

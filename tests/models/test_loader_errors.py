@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.loader import load_model
+from models.loader import checkpoint_bytes, load_model
 from models.model_files import ModelLoadError
 
 
@@ -117,3 +117,4 @@ def test_sharded_checkpoint_loads(model_dir):
     ours = head.weight if head.packed is None else head.packed.to_dense()
     name = next(n for n in names if n.endswith("lm_head.weight"))
     assert torch.equal(ours, weights[name])
+    assert checkpoint_bytes(model_dir) == sum(p.stat().st_size for p in weight_files(model_dir)) > 0

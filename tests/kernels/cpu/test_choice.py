@@ -42,6 +42,21 @@ def test_cpu_vectors_avx2_runs_the_256_bit_path_on_any_cpu():
         cpu_kernels.decide(True, "cpu", "sse")
 
 
+def test_with_avx512_a_model_beyond_the_last_level_cache_takes_the_kernel_for_two_rows():
+    """Streamed from memory (weights past the last-level cache) oneDNN's AVX-512 matmul is as
+    fast at one and two rows and faster from four; within the cache the kernel is faster up to
+    eight. The AVX2 path keeps its sixteen rows either way."""
+    llc = cpu_kernels.last_level_cache_bytes()
+    assert llc >= 1 << 20
+    assert cpu_kernels.panel_row_limit(512) == cpu_kernels.panel_row_limit(512, llc) == 8
+    assert cpu_kernels.panel_row_limit(512, llc + 1) == 2
+    assert cpu_kernels.panel_row_limit(256) == cpu_kernels.panel_row_limit(256, 10 * llc) == 16
+    for vectors in ("auto", "avx2"):
+        choice = cpu_kernels.decide(True, "cpu", vectors, weight_bytes=10 * llc)
+        expected = cpu_kernels.panel_row_limit(choice.vector_bits, 10 * llc)
+        assert choice.panel_rows == (expected if torch.backends.mkldnn.is_available() else 0)
+
+
 @pytest.mark.parametrize(
     ("requested", "device", "why"),
     [(False, "cpu", "--no-cpu-kernels"), (True, "cuda", "the device is cuda"), (True, "meta", "the device is meta")],
