@@ -135,8 +135,8 @@ def decide(
     "avx2" runs an AVX2-only CPU's path on any CPU, so that it can be measured and tested on an
     AVX-512 host), by default the widest this CPU has; panel_linear up to that width's row limit
     for a model of `weight_bytes` (`panel_row_limit`) where oneDNN packs the weights it reads.
-    AVX-512 needs both /proc/cpuinfo's avx512f and the
-    kernel's own check (`panel_vector_bits`), so a CPU whose flags lack it takes 256 bits."""
+    AVX-512 needs both /proc/cpuinfo's avx512f and the kernel's own check
+    (`panel_vector_bits`), so a CPU whose flags lack it takes 256 bits."""
     if vectors not in _VECTORS:
         raise ValueError(f"invalid cpu_vectors {vectors!r}: must be one of {', '.join(_VECTORS)}")
     device = torch.device(device)
