@@ -10,11 +10,11 @@ calling the actor directly) go to the client "", and are dropped if no such clie
 
 A client that stops taking its outputs (its replica died) is forgotten after `stale_s`: its
 requests are aborted, so a dead replica's streams do not hold KV blocks until `max_tokens`.
-Stale means outputs waiting `stale_s` with nobody come for them: not a client that is waiting
-in `get` (an output channel's pusher waits there through any idle spell), and not one whose
-last call was long ago but whose outputs have only just come (a client polling over Ray stops
-between requests). Counting from the last call alone, the first output after a minute idle
-forgot the client that was waiting for it, and that client's pusher then waited on the
+Stale means outputs waiting `stale_s` since they came with nobody come for them: not a client
+that is waiting in `get` (an output channel's pusher waits there through any idle spell), and
+not one whose last call was long ago but whose outputs have only just come (a client polling
+over Ray stops between requests). Counted from the last call, the first output after a minute
+idle forgot the client that was waiting for it, and that client's pusher then waited on the
 forgotten queue for good: every later request of that replica hung.
 """
 
@@ -37,14 +37,13 @@ STALE_CLIENT_S = 60.0
 class _Queue:
     batches: list[OutputBatch] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    last_take: float = field(default_factory=time.monotonic)
-    pending_since: float = 0.0  # when `batches` last went from empty to not
+    pending_since: float = 0.0  # when `batches` last went from empty to not (`get` empties it)
     waiters: int = 0  # calls of `get` waiting on `ready`
 
     def stale(self, now: float, stale_s: float) -> bool:
-        """Outputs have waited `stale_s` (0: any wait), since they came or since the last call,
-        whichever is later, with no call waiting for them."""
-        return bool(self.batches) and not self.waiters and now - max(self.last_take, self.pending_since) >= stale_s
+        """Outputs have waited `stale_s` (0: any wait) since they came, with no call waiting for
+        them."""
+        return bool(self.batches) and not self.waiters and now - self.pending_since >= stale_s
 
 
 def split(batch: OutputBatch, owner_of: Callable[[str], str]) -> dict[str, OutputBatch]:
@@ -98,7 +97,6 @@ class OutputMux:
         """Everything published for `client` since its last call, waiting up to `timeout`."""
         self._ensure_pump()
         queue = self._queue(client)
-        queue.last_take = time.monotonic()
         if not queue.batches:
             queue.waiters += 1
             try:
@@ -109,7 +107,6 @@ class OutputMux:
                 queue.waiters -= 1
         out, queue.batches = queue.batches, []
         queue.ready.clear()
-        queue.last_take = time.monotonic()
         return out
 
     async def close(self) -> None:
@@ -151,9 +148,9 @@ class OutputMux:
             if client and queue.stale(now, self._stale_s):
                 mine = [r for r, c in self._owner.items() if c == client]
                 log.warning(
-                    "output client %s took nothing for %.0f s: aborting its %d requests",
+                    "output client %s left its outputs waiting %.0f s: aborting its %d requests",
                     client,
-                    now - queue.last_take,
+                    now - queue.pending_since,
                     len(mine),
                 )
                 del self._queues[client]

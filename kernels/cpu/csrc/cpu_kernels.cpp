@@ -794,9 +794,12 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   const int64_t ldx = x.stride(0);
   // Blocks are handed out one at a time from a shared counter rather than split into one
   // fixed range a thread: a thread that the OS preempts (the server's other processes share
-  // these cores) leaves its blocks to the others instead of holding up the whole call.
+  // these cores) leaves its blocks to the others instead of holding up the whole call. A
+  // thread joins for every 256 KB of weight, so a small weight runs on the caller alone.
+  const int64_t per_thread = std::max<int64_t>(1, (int64_t{1} << 16) / (kp * nb));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (blocks + per_thread - 1) / per_thread);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> acc(rows * nb);
     for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
          b = next.fetch_add(1, std::memory_order_relaxed)) {
