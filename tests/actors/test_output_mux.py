@@ -5,6 +5,9 @@ stops reading has its requests aborted."""
 from __future__ import annotations
 
 import asyncio
+import random
+
+import pytest
 
 from actors.output_mux import OutputMux, split
 from engine.messages import OutputBatch, RequestOutput
@@ -120,3 +123,87 @@ def test_a_client_polling_after_a_pause_is_not_forgotten_on_arrival():
         return core.aborted
 
     assert asyncio.run(asyncio.wait_for(main(), 10)) == []
+
+
+class _RunningCore(_Core):
+    """A core that runs requests: each step publishes one token for every running request and
+    finishes one after `length` tokens; an abort drops it (its blocks freed)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+        self.running: dict[str, int] = {}
+
+    def add(self, req_id: str) -> None:
+        self.running[req_id] = 0
+
+    def abort(self, req_id: str) -> None:
+        self.aborted.append(req_id)
+        self.running.pop(req_id, None)
+
+    def step(self) -> None:
+        done = [r for r, n in self.running.items() if n + 1 == self.length]
+        batch = _batch({r: n for r, n in self.running.items()}, finished=tuple(done))
+        for r in self.running:
+            self.running[r] += 1
+        for r in done:
+            del self.running[r]
+        self.published.put_nowait([batch])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_clients_that_come_go_and_idle_lose_nothing_but_the_dead_ones_requests(seed):
+    """Random traffic from pushers (clients that wait in `get`, as an output channel's does)
+    with idle spells between steps and clients dying at random points, at stale_s 0: every
+    request of a live client gets all its tokens in order and its finish, only requests of dead
+    clients are aborted, and the core is left running nothing (every block freed)."""
+    rng = random.Random(seed)
+
+    async def main():
+        core = _RunningCore(length=rng.randint(1, 4))
+        mux = OutputMux(core.take, core.abort, stale_s=0.0)
+        got: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        owner: dict[str, str] = {}
+
+        async def pusher(client: str) -> None:
+            while True:
+                for batch in await mux.get(client, None):
+                    for r, t in zip(batch.req_ids, batch.token_ids, strict=True):
+                        got.setdefault(r, []).append(t)
+                    finished.update(o.req_id for o in batch.others)
+
+        clients = {c: asyncio.create_task(pusher(c)) for c in "ABCD"}
+        dead: set[str] = set()
+        for step in range(60):
+            for _ in range(rng.randint(0, 2)):
+                client = rng.choice([c for c in clients if c not in dead])
+                req_id = f"{client}{step}-{rng.random():.6f}"
+                mux.own(req_id, client)
+                core.add(req_id)
+                owner[req_id] = client
+            if len(dead) < 3 and rng.random() < 0.05:  # a replica dies: its channel's pusher ends
+                client = rng.choice([c for c in clients if c not in dead])
+                dead.add(client)
+                clients[client].cancel()
+            for _ in range(rng.randint(0, 3)):  # an idle spell: nothing published
+                await asyncio.sleep(0)
+            core.step()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        while core.running:  # the rest run out, or are aborted with their dead clients
+            core.step()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        for task in clients.values():
+            task.cancel()
+        await asyncio.gather(*clients.values(), return_exceptions=True)
+        await mux.close()
+        return core, got, finished, owner, dead
+
+    core, got, finished, owner, dead = asyncio.run(asyncio.wait_for(main(), 30))
+    assert not core.running
+    assert all(owner[r] in dead for r in core.aborted), "a live client's request was aborted"
+    for req_id, client in owner.items():
+        if client not in dead:
+            assert got.get(req_id) == list(range(core.length)) and req_id in finished, req_id

@@ -324,6 +324,25 @@ def test_panel_linear_matches_the_plain_matmul(bits, nb, rows):
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", VECTOR_BITS)
+def test_panel_linear_shares_a_large_weights_blocks_among_threads(bits):
+    """A weight of 256 KB blocks (k 1024, 64 columns) takes a thread each from the shared counter
+    up to torch's thread count: every block computed once, whichever thread took it."""
+    torch.manual_seed(7)
+    weight, bias = torch.randn(4000, 1000), torch.randn(4000)
+    panels = _as_panels(weight, 64, kp=1024)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for rows in (1, 5):
+                x = torch.randn(rows, 1000)
+                got = cpu_kernels.panel_linear(x, panels, bias, 4000, bits)
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_panel_linear_reads_strided_and_batched_rows():
     weight = torch.randn(40, 32)
     x = torch.randn(2, 2, 64)[..., ::2]  # [2, 2, 32], not contiguous
