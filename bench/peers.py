@@ -42,7 +42,7 @@ from pathlib import Path
 from actors.ports import free_port
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
-from bench.peer_servers import REPO, raypd_command, running, vllm_command, vllm_env
+from bench.peer_servers import KV_CACHE_GIB, REPO, raypd_command, running, vllm_command, vllm_env
 
 BATCHES = (1, 32)
 _OFFLINE_TIMEOUT_S = 900.0
@@ -153,6 +153,8 @@ def offline_runs(
             seqs,
             "--threads",
             str(args.threads),
+            "--kv-cache-gib",
+            str(KV_CACHE_GIB),
         ],
         "vllm": [
             str(args.vllm_python),

@@ -6,7 +6,7 @@ the driver's session would compete with everything else started from there):
 
     {"prompts": [[token ids], ...], "batch": 32, "max_tokens": 64, "out": "/path/result.json"}
 
-    python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1
+    python -m bench.raypd_offline --model DIR --max-num-seqs 32 --threads 1 --kv-cache-gib 2
 
 `RAYPD_*` variables apply as they do to the server (serve/config.py), e.g. RAYPD_CPU_VECTORS=avx2
 runs the kernels' AVX2 path.
@@ -56,6 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         seed=0,
         worker_cpus=f"0-{args.threads - 1}",
+        kv_cache_memory=f"{args.kv_cache_gib}GiB",
     )
     cfg = config_from(fields)
     core, worker = build_local_engine(cfg)
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-num-seqs", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--kv-cache-gib", type=int, required=True, help="KV cache memory, as vLLM's VLLM_CPU_KVCACHE_SPACE")
     asyncio.run(serve(ap.parse_args()))
 
 
