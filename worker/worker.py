@@ -109,6 +109,57 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.device = resolve_device(cfg.device)
+        self._stream = ComputeStream(self.device, cfg.stream_delay_s, cfg.cpus)
+        # What torch builds with its threads (the weights, their packing, the caches) is built on
+        # the stream's thread, whose OpenMP threads then run every step. A parallel region run
+        # by the constructing thread would leave a second team of OpenMP threads behind, and
+        # with more of them than CPUs libgomp stops spinning between regions: each of a step's
+        # parallel calls then woke a sleeping thread (docs/design.md §13).
+        try:
+            self._stream.submit(self._build, cfg).result()
+        except BaseException:
+            self._stream.close()
+            raise
+        # Touched only by jobs on the stream; read it between steps, never during one.
+        self.requests: dict[str, RequestState] = {}
+        self._last_step: int | None = None
+        # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
+        # decode worker reads. Made here, so that the agent's threads are not bound to the
+        # stream's CPUs.
+        self.connector = (
+            None
+            if cfg.kv_role == "colocated"
+            else NixlWorkerConnector(
+                cfg.engine_id,
+                self.buffers,
+                self._layout.page_bytes,
+                self._layout.num_blocks,
+                agent_name=rank_agent_name(cfg.nixl_agent_name, cfg.tp_rank) if cfg.nixl_agent_name else None,
+                fail_fraction=cfg.kv_fail_fraction,
+                fail_seed=cfg.seed + cfg.tp_rank,  # ranks fail apart: a load may fail on one rank only
+                transfer_timeout_s=cfg.kv_transfer_timeout_s,
+                delay_s=cfg.kv_delay_s,
+                compat=kv_compat(
+                    cfg.model_dir, self._layout, algorithm(self.device) if cfg.kv_verify else "", self.tp.size
+                ),
+                corrupt_fraction=cfg.kv_corrupt_fraction,
+                slicer=PageSlicer(
+                    self.full_config,
+                    self._layout.block_size,
+                    self._layout.attn_dtype,
+                    self.tp.rank,
+                    self.tp.size,
+                    tuple(g.kind for g in self._layout.groups),
+                ),
+            )
+        )
+        self._faults_to_inject = 0
+        self._hand_over_sums = (
+            self._checksummer(cfg, self._layout.attn_dtype) if cfg.kv_verify and cfg.kv_role == "prefill" else None
+        )
+
+    def _build(self, cfg: WorkerConfig) -> None:
+        """The model, its caches, the sampler's state: the stream's first job."""
         self.full_config = load_config(cfg.model_dir)
         weights = parse_dtype(cfg.dtype)
         if weights is None and self.device.type == "cpu" and DTYPE_BYTES[self.full_config.dtype] < 4:
@@ -136,43 +187,6 @@ class Worker:
         self.eos_token_id = load_generation_config(cfg.model_dir, self.full_config)[1]  # what min_tokens masks
         self.token_counts = TokenCounts(self.config.vocab_size, self.device)
         self.structured = StructuredOutputs(cfg.model_dir, self.config.vocab_size, self.eos_token_id)
-        # Touched only by jobs on the stream; read it between steps, never during one.
-        self.requests: dict[str, RequestState] = {}
-        self._last_step: int | None = None
-        self._stream = ComputeStream(self.device, cfg.stream_delay_s, cfg.cpus)
-        # Disaggregated roles register the cache with NIXL: a prefill worker is read from, a
-        # decode worker reads.
-        self.connector = (
-            None
-            if cfg.kv_role == "colocated"
-            else NixlWorkerConnector(
-                cfg.engine_id,
-                self.buffers,
-                self._layout.page_bytes,
-                self._layout.num_blocks,
-                agent_name=rank_agent_name(cfg.nixl_agent_name, cfg.tp_rank) if cfg.nixl_agent_name else None,
-                fail_fraction=cfg.kv_fail_fraction,
-                fail_seed=cfg.seed + cfg.tp_rank,  # ranks fail apart: a load may fail on one rank only
-                transfer_timeout_s=cfg.kv_transfer_timeout_s,
-                delay_s=cfg.kv_delay_s,
-                compat=kv_compat(
-                    cfg.model_dir, self._layout, algorithm(self.device) if cfg.kv_verify else "", self.tp.size
-                ),
-                corrupt_fraction=cfg.kv_corrupt_fraction,
-                slicer=PageSlicer(
-                    self.full_config,
-                    self._layout.block_size,
-                    cache_dtype,
-                    self.tp.rank,
-                    self.tp.size,
-                    tuple(g.kind for g in self._layout.groups),
-                ),
-            )
-        )
-        self._faults_to_inject = 0
-        self._hand_over_sums = (
-            self._checksummer(cfg, cache_dtype) if cfg.kv_verify and cfg.kv_role == "prefill" else None
-        )
 
     def inject_faults(self, num_steps: int) -> None:
         """Tests only (reached through Ray, never over HTTP): the next `num_steps` forwards

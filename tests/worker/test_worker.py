@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -322,3 +323,30 @@ def test_without_the_cpu_kernels_the_torch_path_gives_the_same_tokens(checkpoint
             outputs[on] = [drv.reqs[r].outputs for r in PROMPTS]
             worker.close()
     assert outputs[True] == outputs[False]
+
+
+def test_the_model_and_caches_are_built_on_the_stream_thread(checkpoint, monkeypatch):
+    """Start-up's parallel work (loading and packing the weights, zeroing the caches) runs on the
+    compute stream's thread, whose OpenMP threads run the steps: done on the constructing
+    thread it left a second team of OpenMP threads, more of them than CPUs, and libgomp then
+    let its threads sleep between regions, so each parallel call of a step woke one."""
+    import worker.worker as module
+
+    seen: dict[str, threading.Thread] = {}
+
+    def spy(name: str):
+        real = getattr(module, name)
+
+        def call(*args, **kw):
+            seen[name] = threading.current_thread()
+            return real(*args, **kw)
+
+        return call
+
+    for name in ("load_model", "allocate_caches"):
+        monkeypatch.setattr(module, name, spy(name))
+    worker = make_worker(checkpoint)
+    stream_thread = worker._stream.submit(threading.current_thread).result()
+    assert stream_thread is not threading.current_thread()
+    assert seen == {"load_model": stream_thread, "allocate_caches": stream_thread}
+    worker.close()
