@@ -58,7 +58,7 @@ from bench.peers import agreement, check_peer_args, positive_ints, prompts_for, 
 
 PLACEMENTS = ("shipped", "equal")
 ROLE_CPU = {"prefill": 0, "decode": 1}
-KV_CACHE_GIB = 1  # per engine, each side's prefill and decode alike
+ROLE_KV_CACHE_GIB = 1  # each role's engine, on both sides
 RAYPD_LAYOUT = {
     "shipped": ["--prefill", "1", "--decode", "1"],
     "equal": ["--prefill", "1", "--decode", "1", "--worker-threads", "1"]
@@ -172,7 +172,7 @@ def vllm_pd(model: Path, kind: str, args: argparse.Namespace, work: Path) -> Ite
     ports = {role: free_port() for role in ROLE_CPU}
     servers = []
     for role, cpu in ROLE_CPU.items():
-        env = vllm_env(1, kv_cache_gib=KV_CACHE_GIB) | {
+        env = vllm_env(1, kv_cache_gib=ROLE_KV_CACHE_GIB) | {
             "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
@@ -222,7 +222,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
                 row[f"vllm_placement_{placement}"] = vllm.placement()
             print(f"vLLM {placement}: {json.dumps(row[f'vllm_placement_{placement}'])}", flush=True)
             port = free_port()
-            cmd = raypd_command(model, kind, port, 1, args.max_num_seqs, RAYPD_LAYOUT[placement], KV_CACHE_GIB)
+            cmd = raypd_command(model, kind, port, 1, args.max_num_seqs, RAYPD_LAYOUT[placement], ROLE_KV_CACHE_GIB)
             with running(cmd, raypd_env, port, work / f"{kind}-raypd-{placement}.log") as raypd_url:
                 if "greedy_agreement" not in row:
                     prompts = prompts_for(0, args.greedy_prompts, args.prompt_len, 2)

@@ -68,70 +68,66 @@ inline float dot<float>(const float* q, const float* k, int64_t n) {
   return sum(acc);
 }
 
-// exp(x) as a polynomial on a range-reduced argument (Cephes' expf, within 2 ulp of std::exp),
-// written so that a `#pragma omp simd` loop vectorizes it (given -fno-trapping-math, which lets
-// the clamp's compares become selects): libm's expf is one call per element. A NaN stays NaN.
-inline float exp_poly(float x) {
-  x = x < -87.f ? -87.f : x;
-  x = x > 88.f ? 88.f : x;
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;   // x - k ln 2, in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// A head's row of a K or V page, asked of memory ahead of its use. A (request, KV head) task
-// reads `dim` values from each slot, a slot's heads apart: with 8 heads of 128 fp32 that is a
-// 4 KiB stride, past which the hardware prefetcher does not follow, so without these every
-// row was a demand miss and decode attention ran at a third of the bandwidth.
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// exp_poly on eight lanes at once, the same steps in vector arithmetic: GCC left the scalar
-// function unvectorised inside `omp simd` loops (floor and the exponent's bit cast), so a silu
-// over a prefill's activations ran a lane at a time (0.8 ms for 128 x 2048 against torch's
-// 0.05). floor is the truncation corrected where it rounded up; the arguments are clamped
-// far inside int32.
-inline Lanes exp_lanes(Lanes x) {
+// floor(t) as a float, and as the int32 it is, for one float or eight lanes. GCC leaves
+// std::floor and a float-to-int cast unvectorised inside `omp simd` loops, so the lanes'
+// form is the truncation corrected where it rounded up (t is clamped far inside int32).
+inline float floor_parts(float t, int32_t& whole) {
+  const float k = std::floor(t);
+  whole = static_cast<int32_t>(k);
+  return k;
+}
+
+inline Lanes floor_parts(Lanes t, IntLanes& whole) {
+  whole = __builtin_convertvector(t, IntLanes);
+  whole += __builtin_convertvector(whole, Lanes) > t;  // -1 where truncation rounded up
+  return __builtin_convertvector(whole, Lanes);
+}
+
+// exp(x) as a polynomial on a range-reduced argument (Cephes' expf, within 2 ulp of std::exp),
+// for one float (F, I = float, int32_t) or eight lanes at once (Lanes, IntLanes), the same
+// steps either way, so both give the same bits; libm's expf is one call per element. The
+// lanes' form is what a silu over a prefill's activations needs: the scalar one in an `omp
+// simd` loop stayed a lane at a time (0.8 ms for 128 x 2048 against torch's 0.05). The
+// clamps' compares are selects given -fno-trapping-math. A NaN stays NaN.
+template <typename F, typename I>
+inline F exp_of(F x) {
   x = x < -87.f ? -87.f : x;
   x = x > 88.f ? 88.f : x;
-  const Lanes t = x * 1.44269504088896341f + 0.5f;
-  IntLanes ki = __builtin_convertvector(t, IntLanes);
-  ki += __builtin_convertvector(ki, Lanes) > t;  // -1 where truncation rounded up
-  const Lanes k = __builtin_convertvector(ki, Lanes);
-  const Lanes r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  Lanes p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  I whole;
+  const F k = floor_parts(x * 1.44269504088896341f + 0.5f, whole);  // x / ln 2, rounded
+  const F r = x - k * 0.693359375f + k * 2.12194440e-4f;          // x - k ln 2, in two parts
+  F p = 1.9875691500e-4f * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const IntLanes bits = (ki + 127) << 23;
-  Lanes scale;
+  const I bits = (whole + 127) << 23;  // 2^k
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline float exp_poly(float x) { return exp_of<float, int32_t>(x); }
 
 // out[i] = silu(g[i]) * (m ? m[i] : 1) for n floats; out may be g.
 inline void silu_times(const float* g, const float* m, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const Lanes v = load(g + i);
-    Lanes y = v / (1.f + exp_lanes(-v));
+    Lanes y = v / (1.f + exp_of<Lanes, IntLanes>(-v));
     if (m != nullptr) y *= load(m + i);
     store(out + i, y);
   }
   for (; i < n; ++i) out[i] = g[i] / (1.f + exp_poly(-g[i])) * (m != nullptr ? m[i] : 1.f);
 }
 
+// A head's row of a K or V page, asked of memory ahead of its use. A (request, KV head) task
+// reads `dim` values from each slot, a slot's heads apart: with 8 heads of 128 fp32 that is a
+// 4 KiB stride, past which the hardware prefetcher does not follow, so without these every
+// row was a demand miss and decode attention ran at a third of the bandwidth.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t dim) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -144,12 +140,12 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
+constexpr int64_t kAhead = 4;  // slots between a row's prefetch and its use
+
 // One query per request. For each (request, KV head) the group's query heads score every
 // visible slot, then take the softmax-weighted sum of the values. Slots past the query's
 // position in its last block are added with weight 0, as the gathering path's mask does,
 // so a NaN left in an allocated page still reaches the output (docs/design.md §1).
-constexpr int64_t kAhead = 4;  // slots between a row's prefetch and its use
-
 template <typename T>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& positions, double scale,
