@@ -8,10 +8,11 @@ same compute threads, the same prompts and the same load client.
 - served: `python -m serve` (one colocated engine) against vLLM's OpenAI server, streaming
   completions at 1, 8 and 32 concurrent streams: output tokens/s, TTFT, TPOT, ITL.
 
-The machine is shared, so its speed drifts: both engines are kept up at once and their
-runs alternate, `--rounds` times each, so both see the same conditions. Each run starts once
-the machine is quiet: vLLM's worker busy-polls a core for about a second after its last
-request, which would otherwise land on the run after it. vLLM runs from its own virtual
+Only one engine is up at a time (`served_alone`: an idle server's background processes would
+slow the other's runs); the offline runs alternate, and the served ones take turns, raypd's
+server then vLLM's, `--rounds` times each. Each run starts once the machine is quiet: vLLM's
+worker busy-polls a core for about a second after its last request, which would otherwise land
+on the run after it. vLLM runs from its own virtual
 environment (`make bench-peers` creates `.venv-vllm`).
 
     python -m bench.peers [--models hybrid,dense] [--threads 1] [--work-dir DIR]
@@ -36,7 +37,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 from actors.ports import free_port
@@ -183,41 +185,45 @@ def offline_runs(
 
 
 def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """Both servers up at once; for each stream count, a raypd round then a vLLM round,
-    `--rounds` times."""
-    ports = {"raypd": free_port(), "vllm": free_port()}
-    cmds = {
-        "raypd": raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
-        "vllm": vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams)),
-    }
+    """Each server up alone in turn (`served_alone`), raypd first, `--rounds` times."""
+    port = free_port()
     env = vllm_env(args.threads)
-    with (
-        running(cmds["raypd"], env, ports["raypd"], work / f"{kind}-raypd-server.log") as raypd_url,
-        running(cmds["vllm"], env, ports["vllm"], work / f"{kind}-vllm-server.log") as vllm_url,
-    ):
-        return served_rounds({"raypd": raypd_url, "vllm": vllm_url}, kind, args)
+    cmds = {
+        "raypd": raypd_command(model, kind, port, args.threads, max(args.streams)),
+        "vllm": vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
+    }
+    servers = {name: partial(running, cmd, env, port, work / f"{kind}-{name}-server.log") for name, cmd in cmds.items()}
+    return served_alone(servers, kind, args)
 
 
-def served_rounds(
-    urls: Mapping[str, str],
+def served_alone(
+    servers: Mapping[str, Callable[[], AbstractContextManager[str]]],
     model: str,
     args: argparse.Namespace,
-    active: Mapping[str, Callable[[], AbstractContextManager[object]]] | None = None,
+    min_requests: int = 0,
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """For each of `args.streams`, one round per server in turn, `args.rounds` times, each
-    started on a quiet machine; per server and stream count the summary of its rounds.
-    `active[name]()` is entered around that server's rounds only (after the machine settled):
-    a server that would load the machine while idle is paused outside them."""
-    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {e: {s: ([], 0.0) for s in args.streams} for e in urls}
+    """`args.rounds` times, each server in turn brought up by `servers[name]()` (a context
+    manager yielding its base URL), driven at each of `args.streams` (every run started on a
+    quiet machine, `args.requests_per_stream` requests a stream and at least `min_requests`),
+    then brought down before the next comes up; per server and stream count the summary of its
+    rounds.
+
+    Never two servers up at once: an idle raypd keeps a dozen Ray processes that wake on timers
+    (~15% of a core together), and beside it vLLM's real-size decode step took 164 ms instead of
+    118 (raypd's 153 instead of 141 beside an idle vLLM): the runs measured the neighbour too."""
+    samples: dict[str, dict[int, tuple[list[Sample], float]]] = {
+        e: {s: ([], 0.0) for s in args.streams} for e in servers
+    }
     for _ in range(args.rounds):
-        for streams in args.streams:
-            prompts = prompts_for(streams, streams * args.requests_per_stream, args.prompt_len, 1)
-            for engine, url in urls.items():
-                settle()
-                with (active or {}).get(engine, nullcontext)():
+        for engine, up in servers.items():
+            with up() as url:
+                for streams in args.streams:
+                    count = max(streams * args.requests_per_stream, min_requests)
+                    prompts = prompts_for(streams, count, args.prompt_len, 1)
+                    settle()
                     got, wall = asyncio.run(drive(url, model, prompts, streams, args.max_tokens))
-                prev, prev_wall = samples[engine][streams]
-                samples[engine][streams] = (prev + got, prev_wall + wall)
+                    prev, prev_wall = samples[engine][streams]
+                    samples[engine][streams] = (prev + got, prev_wall + wall)
     return {e: {s: summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
 
 
@@ -300,7 +306,7 @@ def add_run_args(
     ap.add_argument("--threads", type=int, default=threads, help="compute threads of each engine")
     ap.add_argument("--streams", type=positive_ints, default=streams)
     ap.add_argument("--requests-per-stream", type=int, default=requests_per_stream)
-    ap.add_argument("--rounds", type=int, default=rounds, help="alternating runs of each engine per measurement")
+    ap.add_argument("--rounds", type=int, default=rounds, help="runs of each engine per measurement, taking turns")
     ap.add_argument(
         "--batch1-prompts", type=int, default=batch1_prompts, help="prompts run one after another at batch 1"
     )

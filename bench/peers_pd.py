@@ -21,8 +21,9 @@ Two CPU placements (each role one compute core: prefill core 0, decode core 1):
   to turn it off or give it a delay) put under SCHED_IDLE on that core: they get only the time
   nothing else wants, as raypd has no progress thread at all.
 
-Both systems stay up while a model is measured and their rounds alternate; vLLM is stopped
-(SIGSTOP) outside its own rounds, since as shipped it keeps the machine busy while idle.
+One system runs at a time (bench.peers `served_alone`): raypd's server is up only for its own
+runs, and vLLM's servers, started once a model, are stopped (SIGSTOP) outside theirs, since as
+shipped they keep the machine busy while idle.
 
     python -m bench.peers_pd [--models hybrid,dense] [--placement shipped,equal] [--json-out F]
 
@@ -45,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ from actors.ports import free_port
 from bench.machine import cpu_line
 from bench.peer_models import make
 from bench.peer_servers import REPO, Server, raypd_command, running, running_all, vllm_command, vllm_env
-from bench.peers import agreement, check_peer_args, positive_ints, prompts_for, served_rounds
+from bench.peers import agreement, check_peer_args, positive_ints, prompts_for, served_alone
 
 PLACEMENTS = ("shipped", "equal")
 ROLE_CPU = {"prefill": 0, "decode": 1}
@@ -88,11 +90,12 @@ class VllmPD:
             os.killpg(pid, signal.SIGSTOP)
 
     @contextmanager
-    def resumed(self) -> Iterator[None]:
+    def resumed(self) -> Iterator[str]:
+        """The servers running, for as long as the block lasts; yields the proxy's URL."""
         for pid in self.servers.values():
             os.killpg(pid, signal.SIGCONT)
         try:
-            yield
+            yield self.url
         finally:
             self.pause()
 
@@ -223,24 +226,16 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
             print(f"vLLM {placement}: {json.dumps(row[f'vllm_placement_{placement}'])}", flush=True)
             port = free_port()
             cmd = raypd_command(model, kind, port, 1, args.max_num_seqs, RAYPD_LAYOUT[placement], ROLE_KV_CACHE_GIB)
-            with running(cmd, raypd_env, port, work / f"{kind}-raypd-{placement}.log") as raypd_url:
-                if "greedy_agreement" not in row:
-                    prompts = prompts_for(0, args.greedy_prompts, args.prompt_len, 2)
+            raypd = partial(running, cmd, raypd_env, port, work / f"{kind}-raypd-{placement}.log")
+            if "greedy_agreement" not in row:
+                prompts = prompts_for(0, args.greedy_prompts, args.prompt_len, 2)
+                with raypd() as raypd_url:
                     raypd_out = asyncio.run(_greedy(raypd_url, kind, prompts, args.max_tokens))
-                    with vllm.resumed():
-                        vllm_out = asyncio.run(_greedy(vllm.url, kind, prompts, args.max_tokens))
-                    row["greedy_agreement"] = round(agreement(raypd_out, vllm_out), 4)
-                    print(f"greedy agreement raypd / vLLM: {row['greedy_agreement']:.4f}", flush=True)
-                served: dict[str, dict[int, dict[str, float]]] = {"raypd": {}, "vllm": {}}
-                for streams in args.streams:
-                    one = argparse.Namespace(**vars(args))
-                    one.streams = [streams]
-                    one.requests_per_stream = max(args.requests_per_stream, math.ceil(args.min_requests / streams))
-                    got = served_rounds(
-                        {"raypd": raypd_url, "vllm": vllm.url}, kind, one, active={"vllm": vllm.resumed}
-                    )
-                    for engine in served:
-                        served[engine] |= got[engine]
+                with vllm.resumed() as vllm_url:
+                    vllm_out = asyncio.run(_greedy(vllm_url, kind, prompts, args.max_tokens))
+                row["greedy_agreement"] = round(agreement(raypd_out, vllm_out), 4)
+                print(f"greedy agreement raypd / vLLM: {row['greedy_agreement']:.4f}", flush=True)
+            served = served_alone({"raypd": raypd, "vllm": vllm.resumed}, kind, args, args.min_requests)
             for streams in args.streams:
                 ours, theirs = served["raypd"][streams], served["vllm"][streams]
                 row.setdefault(f"pd_c{streams}", {})[placement] = {
@@ -308,7 +303,7 @@ def main() -> None:
     ap.add_argument("--streams", type=positive_ints, default=[1, 8, 32])
     ap.add_argument("--requests-per-stream", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=4, help="requests per run at least (1 stream: one by one)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternating runs of each system per measurement")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each system per measurement, taking turns")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--greedy-prompts", type=int, default=4, help="prompts whose greedy outputs are compared")

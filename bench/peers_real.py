@@ -5,7 +5,7 @@ the work dir): Qwen3-0.6B's shape (`dense`, 596M), a ~0.5B NemotronH-style hybri
 and a ~0.5B NemotronH with mixture-of-experts layers (`moe`, 6 of 48 experts a token; vLLM
 0.32's CPU MoE refuses its ungated experts, so its figures are raypd's alone). Each is served
 colocated by `python -m serve` (one engine) and by vLLM's OpenAI server on the same cores and
-threads, the runs alternating on a quiet machine as in bench.peers (whose helpers run them):
+threads, one server up at a time on a quiet machine as in bench.peers (whose helpers run them):
 
 - served: streaming completions (128 prompt / 32 output tokens by default) at 1, 4 and 16
   streams: output tok/s, TTFT p50, TPOT p50;
@@ -31,30 +31,30 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from actors.ports import free_port
 from bench.machine import Measured, cpu_flags, cpu_line, measure, model_cost
 from bench.peer_models import REAL_BUILDERS, VLLM_REFUSES, make_real
-from bench.peer_servers import Server, raypd_command, running_all, vllm_command, vllm_env
-from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_rounds, settle
+from bench.peer_servers import raypd_command, running, vllm_command, vllm_env
+from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_alone, settle
 
 BATCHES = (1, 16)
 ENGINES = ("raypd", "vllm")
 
 
 def _served(model: Path, kind: str, names: tuple[str, ...], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The servers of engines `names` up at once, their rounds alternating (bench.peers)."""
-    ports = {name: free_port() for name in names}
+    """The servers of engines `names`, each up alone in turn (bench.peers `served_alone`)."""
+    port = free_port()
     cmds = {
-        "raypd": lambda: raypd_command(model, kind, ports["raypd"], args.threads, max(args.streams)),
-        "vllm": lambda: vllm_command(args.vllm_python, model, kind, ports["vllm"], max(args.streams)),
+        "raypd": raypd_command(model, kind, port, args.threads, max(args.streams)),
+        "vllm": vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
     }
     env = vllm_env(args.threads)
-    servers = [Server(cmds[name](), env, ports[name], work / f"real-{kind}-{name}-server.log") for name in names]
-    with running_all(servers):
-        return served_rounds({name: f"http://127.0.0.1:{ports[name]}" for name in names}, kind, args)
+    servers = {name: partial(running, cmds[name], env, port, work / f"real-{kind}-{name}-server.log") for name in names}
+    return served_alone(servers, kind, args)
 
 
 def _measure(nbytes: int, threads: int) -> Measured:
