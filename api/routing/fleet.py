@@ -2,7 +2,8 @@
 
 A `Fleet` is the current list: engines can be added, removed or drained while requests run
 (a policy only ever sees the list as it is at the decision). Summaries are pulled from every
-engine each `poll_interval_s` (engine/summary.py), never per request. Between polls the router
+engine each `poll_interval_s` (engine/summary.py), never per request, and only while some
+decision reads them (not for a lone colocated engine). Between polls the router
 adds what it has sent to each engine itself (`dispatched`), so a burst between two polls does
 not all land on the engine that looked idle; a poll started after a dispatch already counts
 it, so those entries are dropped then. An engine whose poll or call failed is `suspect` and
@@ -147,7 +148,18 @@ class Fleet:
 
         await asyncio.gather(*(one(n, e) for n, e in list(self._engines.items())))
 
+    def chooses(self) -> bool:
+        """Whether any routing decision reads the summaries: a choice between engines of one
+        role, or a PD request's (whether its prompt is computed where it decodes). A single
+        colocated engine takes every request whatever its summary says, and polling it anyway
+        cost its event loop and the ingress's a Ray call every interval, on the cores the
+        forward computes on."""
+        roles = [s.role for s in self._states.values()]
+        return len(roles) > len(set(roles)) or "prefill" in roles
+
     async def run(self, interval_s: float) -> None:
+        """Poll every `interval_s` while a decision reads the summaries (engines come and go)."""
         while True:
-            await self.poll(timeout_s=max(interval_s * 10, 1.0))
+            if self.chooses():
+                await self.poll(timeout_s=max(interval_s * 10, 1.0))
             await asyncio.sleep(interval_s)

@@ -9,7 +9,7 @@ import pytest
 
 from api import ColocatedRouter, Engine
 from api.routing.disagg import SATURATED_STEPS, decide
-from api.routing.fleet import EngineState
+from api.routing.fleet import EngineState, Fleet
 from api.routing.policies import RUNNING_WEIGHT, CacheAware, LeastLoaded, RoundRobin, expected_hit, make_policy
 from api.routing.prefix import PromptBlocks
 from engine.local import build_local_engine
@@ -216,5 +216,39 @@ def test_an_engine_sends_its_digest_only_when_its_cache_changed(checkpoint):
         finally:
             await core.close()
             worker.close()
+
+    asyncio.run(main())
+
+
+def test_summaries_are_polled_only_while_a_decision_reads_them():
+    """A lone colocated engine takes every request: polling it would only cost CPU. A second
+    engine (an autoscaler's), or a PD pair, makes the poll start."""
+    polled: list[str] = []
+
+    def engine(name: str) -> Engine:
+        async def summary(since_version: int | None) -> EngineSummary:
+            polled.append(name)
+            return EngineSummary(0, 0, 0, 1000, 1000, BS, 64, 1, None)
+
+        async def stats():
+            raise AssertionError("not read by the poll")
+
+        return Engine(name, client=None, stats=stats, summary=summary)  # type: ignore[arg-type]
+
+    async def polls_for(fleet: Fleet) -> list[str]:
+        polled.clear()
+        task = asyncio.get_running_loop().create_task(fleet.run(0.001))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return polled
+
+    async def main() -> None:
+        fleet = Fleet([(engine("e0"), "colocated")])
+        assert not fleet.chooses() and await polls_for(fleet) == []
+        fleet.add(engine("e1"), "colocated")
+        assert fleet.chooses() and {"e0", "e1"} <= set(await polls_for(fleet))
+        pd = Fleet([(engine("d"), "decode"), (engine("p"), "prefill")])
+        assert pd.chooses() and {"d", "p"} <= set(await polls_for(pd))
 
     asyncio.run(main())
