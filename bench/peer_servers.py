@@ -12,15 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from actors.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 _READY_TIMEOUT_S = 600.0  # vLLM CPU compiles the model with inductor on its first start
+_STOP_TIMEOUT_S = 30.0
 KV_CACHE_GIB = 2
 """KV cache memory each engine gets, the same on both sides: raypd's default (256 MiB) holds
 ~1,100 tokens of a Qwen3-0.6B-sized model, 9 prompts of 128, where vLLM's holds all 16."""
@@ -122,6 +125,15 @@ def running(cmd: list[str], env: dict[str, str], port: int, log: Path, cwd: Path
         yield f"http://127.0.0.1:{port}"
 
 
+@contextmanager
+def serving(command: Callable[[int], list[str]], env: dict[str, str], log: Path) -> Iterator[str]:
+    """`running` the command `command(port)` on a port free now: each start gets its own, so a
+    probe of a server still starting never reaches one stopped moments before."""
+    port = free_port()
+    with running(command(port), env, port, log) as url:
+        yield url
+
+
 @dataclass(frozen=True)
 class Server:
     """One server to start: its command line, environment, port and log file."""
@@ -171,11 +183,53 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the process group of `proc`, then wait for every process that was below it: a
+    Ray worker of raypd's server (its Serve proxy, bound to the port) outlives the group's
+    SIGTERM by seconds, and answered the readiness probe of the next server started there."""
     if proc.poll() is not None:
         return
+    below = _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=_STOP_TIMEOUT_S)
+    if not _gone(below, _STOP_TIMEOUT_S):
+        for pid in below:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _gone(below, _STOP_TIMEOUT_S)
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below `pid`, from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3 on of /proc/PID/stat (state, parent, ...), None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(pids: set[int], timeout: float) -> bool:
+    """Wait until none of `pids` runs (exited or a zombie); whether that happened in time."""
+    deadline = time.monotonic() + timeout
+    while any((stat := _stat(pid)) is not None and stat[0] != "Z" for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

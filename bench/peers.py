@@ -36,15 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
-from actors.ports import free_port
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
-from bench.peer_servers import KV_CACHE_GIB, REPO, raypd_command, running, vllm_command, vllm_env
+from bench.peer_servers import KV_CACHE_GIB, REPO, raypd_command, serving, vllm_command, vllm_env
 
 BATCHES = (1, 32)
 _OFFLINE_TIMEOUT_S = 900.0
@@ -184,15 +183,17 @@ def offline_runs(
     return runs
 
 
-def _served(model: Path, kind: str, args: argparse.Namespace, work: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """Each server up alone in turn (`served_alone`), raypd first, `--rounds` times."""
-    port = free_port()
-    env = vllm_env(args.threads)
-    cmds = {
-        "raypd": raypd_command(model, kind, port, args.threads, max(args.streams)),
-        "vllm": vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
+def served_colocated(
+    model: Path, kind: str, args: argparse.Namespace, log_dir: Path, names: Sequence[str] = ("raypd", "vllm")
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The colocated servers of engines `names`, each up alone in turn (`served_alone`), in
+    that order, `--rounds` times; each server's log is `log_dir/{kind}-{name}-server.log`."""
+    commands: dict[str, Callable[[int], list[str]]] = {
+        "raypd": lambda port: raypd_command(model, kind, port, args.threads, max(args.streams)),
+        "vllm": lambda port: vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
     }
-    servers = {name: partial(running, cmd, env, port, work / f"{kind}-{name}-server.log") for name, cmd in cmds.items()}
+    env = vllm_env(args.threads)
+    servers = {name: partial(serving, commands[name], env, log_dir / f"{kind}-{name}-server.log") for name in names}
     return served_alone(servers, kind, args)
 
 
@@ -267,7 +268,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, ob
             f"ratio {tps['raypd'] / tps['vllm']:.2f}  greedy agreement {agree:.4f}",
             flush=True,
         )
-    served = _served(model, kind, args, work)
+    served = served_colocated(model, kind, args, work)
     for streams in args.streams:
         ours, theirs = served["raypd"][streams], served["vllm"][streams]
         row[f"served_c{streams}"] = {

@@ -44,8 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ import httpx
 from actors.ports import free_port
 from bench.machine import cpu_line
 from bench.peer_models import make
-from bench.peer_servers import REPO, Server, raypd_command, running, running_all, vllm_command, vllm_env
+from bench.peer_servers import REPO, Server, raypd_command, running, running_all, serving, vllm_command, vllm_env
 from bench.peers import agreement, check_peer_args, positive_ints, prompts_for, served_alone
 
 PLACEMENTS = ("shipped", "equal")
@@ -211,12 +211,23 @@ async def _greedy(url: str, model: str, prompts: Sequence[list[int]], max_tokens
         return outs
 
 
+def _raypd(
+    model: Path, kind: str, args: argparse.Namespace, placement: str, work: Path
+) -> Callable[[], AbstractContextManager[str]]:
+    """raypd's 1P1D server in `placement`, started on a fresh port each time it is entered;
+    vllm_env's offline switches, of which raypd reads none of the VLLM_* ones."""
+
+    def command(port: int) -> list[str]:
+        return raypd_command(model, kind, port, 1, args.max_num_seqs, RAYPD_LAYOUT[placement], ROLE_KV_CACHE_GIB)
+
+    return partial(serving, command, vllm_env(1), work / f"{kind}-raypd-{placement}.log")
+
+
 def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = work / kind
     params = make(kind, model)
     print(f"== {kind}: {params / 1e6:.1f}M parameters at {model}", flush=True)
     row: dict[str, Any] = {"model": kind, "params_m": round(params / 1e6, 1)}
-    raypd_env = vllm_env(1)  # the offline switches; raypd reads none of the VLLM_* ones
     with vllm_pd(model, kind, args, work) as vllm:
         for placement in args.placement:
             with vllm.resumed():
@@ -224,9 +235,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
                     vllm.place_equal()
                 row[f"vllm_placement_{placement}"] = vllm.placement()
             print(f"vLLM {placement}: {json.dumps(row[f'vllm_placement_{placement}'])}", flush=True)
-            port = free_port()
-            cmd = raypd_command(model, kind, port, 1, args.max_num_seqs, RAYPD_LAYOUT[placement], ROLE_KV_CACHE_GIB)
-            raypd = partial(running, cmd, raypd_env, port, work / f"{kind}-raypd-{placement}.log")
+            raypd = _raypd(model, kind, args, placement, work)
             if "greedy_agreement" not in row:
                 prompts = prompts_for(0, args.greedy_prompts, args.prompt_len, 2)
                 with raypd() as raypd_url:

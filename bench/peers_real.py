@@ -31,30 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from actors.ports import free_port
 from bench.machine import Measured, cpu_flags, cpu_line, measure, model_cost
 from bench.peer_models import REAL_BUILDERS, VLLM_REFUSES, make_real
-from bench.peer_servers import raypd_command, running, vllm_command, vllm_env
-from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_alone, settle
+from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_colocated, settle
 
 BATCHES = (1, 16)
 ENGINES = ("raypd", "vllm")
-
-
-def _served(model: Path, kind: str, names: tuple[str, ...], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The servers of engines `names`, each up alone in turn (bench.peers `served_alone`)."""
-    port = free_port()
-    cmds = {
-        "raypd": raypd_command(model, kind, port, args.threads, max(args.streams)),
-        "vllm": vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
-    }
-    env = vllm_env(args.threads)
-    servers = {name: partial(running, cmds[name], env, port, work / f"real-{kind}-{name}-server.log") for name in names}
-    return served_alone(servers, kind, args)
 
 
 def _measure(nbytes: int, threads: int) -> Measured:
@@ -91,7 +76,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
             row[f"offline_b{b}"]["greedy_agreement"] = round(
                 agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1]), 4
             )
-    served = _served(model, kind, names, args, work)
+    served = served_colocated(model, kind, args, work, names)
     for s in args.streams:
         row[f"served_c{s}"] = {e: {k: round(v, 2) for k, v in served[e][s].items()} for e in names}
     after = _measure(cost.weight_bytes_per_token, args.threads)
