@@ -76,7 +76,7 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
                     namespace=NAMESPACE,
                     num_cpus=max(8, os.cpu_count() or 1),
                     logging_level=logging.getLevelNamesMapping()[cfg.log_level],
-                    **ray_init,
+                    **({"include_dashboard": cfg.ray_dashboard} | ray_init),
                 )
                 dep.started_cluster = True
             else:

@@ -33,6 +33,24 @@ def without_a_worker() -> dict[int, str]:
     return found
 
 
+def titles_below(pid: int) -> list[str]:
+    """The command lines' first words of every process below `pid`."""
+    parent, title = {}, {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, IndexError):
+            continue  # the process ended meanwhile
+    found, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        children = [c for c, p in parent.items() if p == pid]
+        found += [title[c] for c in children]
+        todo += children
+    return found
+
+
 def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -98,6 +116,11 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         processes = without_a_worker()
         assert any("EngineActor" in p for p in processes.values()), processes
         assert all(p.endswith("torch=False") for p in processes.values()), processes
+        # Ray's dashboard stays off unless asked for (--ray-dashboard): its module processes
+        # (ray-dashboard-ReportHead-0, ...) woke on timers on the forward's cores.
+        below = titles_below(proc.pid)
+        assert any(t.startswith("ray::ProxyActor") for t in below), below
+        assert not [t for t in below if t.startswith("ray-dashboard-")], below
     except BaseException:
         proc.kill()
         proc.wait()
