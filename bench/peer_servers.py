@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from actors.ports import free_port
+from bench.proc_tree import alive, descendants
 
 REPO = Path(__file__).resolve().parent.parent
 _READY_TIMEOUT_S = 600.0  # vLLM CPU compiles the model with inductor on its first start
@@ -188,7 +189,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     SIGTERM by seconds, and answered the readiness probe of the next server started there."""
     if proc.poll() is not None:
         return
-    below = _descendants(proc.pid)
+    below = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=_STOP_TIMEOUT_S)
@@ -202,33 +203,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         _gone(below, _STOP_TIMEOUT_S)
 
 
-def _descendants(pid: int) -> set[int]:
-    """The live processes below `pid`, from each process's parent in /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields 3 on of /proc/PID/stat (state, parent, ...), None once the process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _gone(pids: set[int], timeout: float) -> bool:
-    """Wait until none of `pids` runs (exited or a zombie); whether that happened in time."""
+def _gone(pids: list[int], timeout: float) -> bool:
+    """Wait until none of `pids` runs; whether that happened in time."""
     deadline = time.monotonic() + timeout
-    while any((stat := _stat(pid)) is not None and stat[0] != "Z" for pid in pids):
+    while any(alive(pid) for pid in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from actors.ports import free_port
+from bench.proc_tree import descendants, title
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "tiny-hybrid"
@@ -30,24 +31,6 @@ def without_a_worker() -> dict[int, str]:
                 found[int(proc.name)] = f"{title} torch={'libtorch' in (proc / 'maps').read_text()}"
         except OSError:
             continue  # the process ended meanwhile
-    return found
-
-
-def titles_below(pid: int) -> list[str]:
-    """The command lines' first words of every process below `pid`."""
-    parent, title = {}, {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            title[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")[0].decode()
-        except (OSError, IndexError):
-            continue  # the process ended meanwhile
-    found, todo = [], [pid]
-    while todo:
-        pid = todo.pop()
-        children = [c for c, p in parent.items() if p == pid]
-        found += [title[c] for c in children]
-        todo += children
     return found
 
 
@@ -118,7 +101,7 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         assert all(p.endswith("torch=False") for p in processes.values()), processes
         # Ray's dashboard stays off unless asked for (--ray-dashboard): its module processes
         # (ray-dashboard-ReportHead-0, ...) woke on timers on the forward's cores.
-        below = titles_below(proc.pid)
+        below = [title(pid) for pid in descendants(proc.pid)]
         assert any(t.startswith("ray::ProxyActor") for t in below), below
         assert not [t for t in below if t.startswith("ray-dashboard-")], below
     except BaseException:
