@@ -57,8 +57,15 @@ class PreNormCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
         """One flat mixed step; returns fp32 logits of each request's last token [R, V]."""
-        h = self.model.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self._layers()):
-            h = h + self.tp.all_reduce(layer.mixer(layer.input_layernorm(h), batch, caches[i], i))
-            h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
+        h = self.fused_layers(batch, caches)
+        if h is None:
+            h = self.model.embed_tokens(batch.input_ids)
+            for i, layer in enumerate(self._layers()):
+                h = h + self.tp.all_reduce(layer.mixer(layer.input_layernorm(h), batch, caches[i], i))
+                h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h[batch.logits_indices])).float()
+
+    def fused_layers(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor | None:
+        """The step's hidden states after the last layer from one fused call, where the
+        architecture has one for this step (models/dense_decode.py); None runs the layers."""
+        return None
