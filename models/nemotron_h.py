@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from models import decode_stack
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
@@ -101,14 +102,18 @@ class NemotronHForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
         """One flat mixed step; returns fp32 logits of each request's last token [R, V]."""
         h = self.model.embeddings(batch.input_ids)
-        for i, block in enumerate(self.model.layers):
-            x = block.norm(h)
-            if block.kind == "mamba":
-                conv, ssm = caches[i]
-                x = block.mixer(x, batch, conv, ssm, batch.mamba_slots[i])
-            elif block.kind == "attention":
-                x = block.mixer(x, batch, caches[i], i)
-            else:
-                x = block.mixer(x)
-            h = h + self.tp.all_reduce(x)
+        fused = decode_stack.decode(self, h, batch, caches)
+        if fused is not None:
+            h = fused
+        else:
+            for i, block in enumerate(self.model.layers):
+                x = block.norm(h)
+                if block.kind == "mamba":
+                    conv, ssm = caches[i]
+                    x = block.mixer(x, batch, conv, ssm, batch.mamba_slots[i])
+                elif block.kind == "attention":
+                    x = block.mixer(x, batch, caches[i], i)
+                else:
+                    x = block.mixer(x)
+                h = h + self.tp.all_reduce(x)
         return self.lm_head(self.model.norm_f(h[batch.logits_indices])).float()

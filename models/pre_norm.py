@@ -14,6 +14,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from models import decode_stack
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
 from models.layers import Linear
@@ -57,15 +58,12 @@ class PreNormCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor:
         """One flat mixed step; returns fp32 logits of each request's last token [R, V]."""
-        h = self.fused_layers(batch, caches)
-        if h is None:
-            h = self.model.embed_tokens(batch.input_ids)
+        h = self.model.embed_tokens(batch.input_ids)
+        fused = decode_stack.decode(self, h, batch, caches)
+        if fused is not None:
+            h = fused
+        else:
             for i, layer in enumerate(self._layers()):
                 h = h + self.tp.all_reduce(layer.mixer(layer.input_layernorm(h), batch, caches[i], i))
                 h = h + self.tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         return self.lm_head(self.model.norm(h[batch.logits_indices])).float()
-
-    def fused_layers(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor | None:
-        """The step's hidden states after the last layer from one fused call, where the
-        architecture has one for this step (models/dense_decode.py); None runs the layers."""
-        return None

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from kernels.cpu import ops as cpu_kernels
-from models import dense_decode
 from models.attention import dense_causal_attention, paged_attention
 from models.batch import ForwardBatch, LayerCache
 from models.config import ModelConfig
@@ -105,6 +104,3 @@ class Qwen3Model(nn.Module):
 class Qwen3ForCausalLM(PreNormCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__(cfg, tp, Qwen3Model(cfg))
-
-    def fused_layers(self, batch: ForwardBatch, caches: dict[int, LayerCache]) -> torch.Tensor | None:
-        return dense_decode.decode(self, batch, caches)

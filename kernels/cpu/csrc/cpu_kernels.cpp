@@ -894,56 +894,121 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
-// The decode step of a stack of Qwen3 layers (stacked q/k/v and gate/up projections, packed
-// fp32 weights, one attention cache group), as one call: the same kernels and ATen ops, in
-// the same order, as the layers' Python forward runs them on a step of single-token requests
-// (models/dense_decode.py), so the output is theirs bit for bit. At batch 1 of a ~0.6B model
-// those calls' Python and dispatch took ~15% of the step, with the other thread idle.
-class DenseDecodeStack {
+// The shapes of a Mamba2 mixer's input projection and state, as models/mamba.py splits them.
+struct MambaShape {
+  int64_t intermediate, conv_dim, heads, head_dim, groups, state;
+};
+
+// A Mamba2 mixer's constants: `a` is -exp(A_log), the value the mixer computes every step.
+struct MambaParams {
+  torch::Tensor conv_weight;
+  c10::optional<torch::Tensor> conv_bias;
+  torch::Tensor dt_bias, a, d, norm;
+  double dt_min, norm_eps;
+  int64_t norm_group;
+};
+
+// A decode step (one token a request) through a model's stack of pre-norm residual blocks,
+// h = h + mixer(rms_norm(h)), as one call: each block runs the same kernels and ATen ops, in
+// the same order, as its Python forward does on such a step (models/decode_stack.py), so the
+// output is the layers' bit for bit. Blocks: attention (Qwen3's with its q/k norm and
+// rotation, or plain), a SwiGLU or relu^2 MLP, a Mamba2 mixer. At batch 1 of a ~0.6B model
+// the Python and dispatch of a step's ~400 calls took ~15% of it, with the other thread idle.
+class DecodeStack {
  public:
-  DenseDecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double norm_eps, double qk_eps, double scale,
-                   int64_t panel_rows, int64_t vector_bits)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), norm_eps_(norm_eps), qk_eps_(qk_eps), scale_(scale),
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double qk_eps, int64_t panel_rows,
+              int64_t vector_bits)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), qk_eps_(qk_eps),
         panel_rows_(panel_rows), vector_bits_(vector_bits) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qk_norm, Projection qkv,
-                 Projection o, Projection gate_up, Projection down) {
+  // `qk_norm`: Qwen3's stacked q and k norm weights [heads + kv_heads, head_dim], which also
+  // turn on the rotation; none for attention without either (NemotronH).
+  void add_attention(torch::Tensor norm, double eps, Projection qkv, Projection o, c10::optional<torch::Tensor> qk_norm) {
     TORCH_CHECK(qkv.out_features == (heads_ + 2 * kv_heads_) * head_dim_, "qkv has ", qkv.out_features,
                 " outputs, not (heads + 2 kv_heads) * head_dim");
-    TORCH_CHECK(gate_up.out_features % 2 == 0, "gate_up stacks two projections of one width");
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qk_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down)});
+    blocks_.push_back({Kind::kAttention, std::move(norm), eps, std::move(qkv), std::move(o), std::move(qk_norm)});
   }
 
-  // h [tokens, hidden], one token a request; the pages and the step's slots, table and
-  // positions as paged attention reads them; cos and signed sin [tokens, head_dim] (Rotary).
+  void add_swiglu(torch::Tensor norm, double eps, Projection gate_up, Projection down) {
+    TORCH_CHECK(gate_up.out_features % 2 == 0, "gate_up stacks two projections of one width");
+    blocks_.push_back({Kind::kSwiGLU, std::move(norm), eps, std::move(gate_up), std::move(down)});
+  }
+
+  void add_relu2(torch::Tensor norm, double eps, Projection up, Projection down) {
+    blocks_.push_back({Kind::kRelu2, std::move(norm), eps, std::move(up), std::move(down)});
+  }
+
+  void add_mamba2(torch::Tensor norm, double eps, Projection in, Projection out, MambaShape shape, MambaParams params) {
+    TORCH_CHECK(in.out_features == shape.intermediate + shape.conv_dim + shape.heads,
+                "in_proj's outputs are not intermediate + conv_dim + heads");
+    TORCH_CHECK(shape.intermediate % params.norm_group == 0, "the gated norm's groups must divide the width");
+    Block block{Kind::kMamba2, std::move(norm), eps, std::move(in), std::move(out)};
+    block.shape = shape;
+    block.mamba = std::move(params);
+    blocks_.push_back(std::move(block));
+  }
+
+  // h [tokens, hidden]. Attention blocks take their pages, in block order, from `k_caches` and
+  // `v_caches`, all through the one set of write slots, table and positions (one cache group);
+  // cos and signed sin [tokens, head_dim] rotate Qwen3's q and k. Mamba2 blocks take their
+  // conv and SSM states and slots, in block order, and the step's state spans.
   torch::Tensor forward(torch::Tensor h, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                        const torch::Tensor& write_blocks, const torch::Tensor& write_offsets,
-                        const torch::Tensor& table, const torch::Tensor& positions, const torch::Tensor& cos,
-                        const torch::Tensor& sin) const {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one K and one V cache a layer");
+                        const c10::optional<torch::Tensor>& write_blocks,
+                        const c10::optional<torch::Tensor>& write_offsets, const c10::optional<torch::Tensor>& table,
+                        const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
+                        const c10::optional<torch::Tensor>& sin, std::vector<torch::Tensor> conv_caches,
+                        std::vector<torch::Tensor> ssm_caches, const std::vector<torch::Tensor>& slots,
+                        const c10::optional<torch::Tensor>& starts, const c10::optional<torch::Tensor>& fresh) const {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "h must be float32 [tokens, hidden]");
-    const int64_t tokens = h.size(0);
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      auto qkv = project(l.qkv, rms_norm(h, l.input_norm, norm_eps_)).view({tokens, heads_ + 2 * kv_heads_, head_dim_});
-      auto qk = qk_norm_rope(qkv.narrow(1, 0, heads_ + kv_heads_), l.qk_norm, cos, sin, qk_eps_);
-      write_kv(k_caches[i], v_caches[i], qk.narrow(1, heads_, kv_heads_), qkv.narrow(1, heads_ + kv_heads_, kv_heads_),
-               write_blocks, write_offsets);
-      auto attn = paged_decode_attention(qk.narrow(1, 0, heads_).contiguous(), k_caches[i], v_caches[i], table,
-                                         positions, scale_);
-      h = h + project(l.o, attn.flatten(-2));
-      auto gate_up = project(l.gate_up, rms_norm(h, l.post_norm, norm_eps_));
-      const int64_t inter = gate_up.size(1) / 2;
-      h = h + project(l.down, at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter)));
+    size_t attention = 0, mamba = 0;
+    for (const Block& b : blocks_) {
+      attention += b.kind == Kind::kAttention;
+      mamba += b.kind == Kind::kMamba2;
+    }
+    TORCH_CHECK(k_caches.size() == attention && v_caches.size() == attention, "one K and one V cache an attention block");
+    TORCH_CHECK(attention == 0 || (write_blocks && write_offsets && table), "attention needs the step's slots and table");
+    TORCH_CHECK(conv_caches.size() == mamba && ssm_caches.size() == mamba && slots.size() == mamba,
+                "one conv state, SSM state and slots a Mamba2 block");
+    attention = mamba = 0;
+    for (const Block& b : blocks_) {
+      auto x = rms_norm(h, b.norm, b.eps);
+      switch (b.kind) {
+        case Kind::kAttention: {
+          const size_t i = attention++;
+          x = attend(b, x, k_caches[i], v_caches[i], *write_blocks, *write_offsets, *table, positions, cos, sin);
+          break;
+        }
+        case Kind::kSwiGLU: {
+          auto gate_up = project(b.in, x);
+          const int64_t inter = gate_up.size(1) / 2;
+          x = project(b.out, at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter)));
+          break;
+        }
+        case Kind::kRelu2:
+          x = project(b.out, project(b.in, x).relu_().square_());
+          break;
+        case Kind::kMamba2: {
+          const size_t i = mamba++;
+          x = mamba2(b, x, conv_caches[i], ssm_caches[i], slots[i], starts, fresh);
+          break;
+        }
+      }
+      h = h + x;
     }
     return h;
   }
 
  private:
-  struct Layer {
-    torch::Tensor input_norm, post_norm, qk_norm;
-    Projection qkv, o, gate_up, down;
+  enum class Kind { kAttention, kSwiGLU, kRelu2, kMamba2 };
+
+  struct Block {
+    Kind kind;
+    torch::Tensor norm;
+    double eps;
+    Projection in, out;  // qkv and o; gate_up and down; up and down; in_proj and out_proj
+    c10::optional<torch::Tensor> qk_norm;
+    MambaShape shape{};
+    MambaParams mamba{};
   };
 
   torch::Tensor project(const Projection& p, torch::Tensor x) const {
@@ -954,10 +1019,46 @@ class DenseDecodeStack {
     return onednn_linear(x, p.packed, p.bias);
   }
 
+  torch::Tensor attend(const Block& b, const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache,
+                       const torch::Tensor& write_blocks, const torch::Tensor& write_offsets, const torch::Tensor& table,
+                       const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
+                       const c10::optional<torch::Tensor>& sin) const {
+    const int64_t tokens = x.size(0);
+    auto qkv = project(b.in, x).view({tokens, heads_ + 2 * kv_heads_, head_dim_});
+    auto qk = qkv.narrow(1, 0, heads_ + kv_heads_);
+    if (b.qk_norm.has_value()) {
+      TORCH_CHECK(cos && sin, "q/k norm and rotation need the rotary table");
+      qk = qk_norm_rope(qk, *b.qk_norm, *cos, *sin, qk_eps_);
+    }
+    write_kv(k_cache, v_cache, qk.narrow(1, heads_, kv_heads_), qkv.narrow(1, heads_ + kv_heads_, kv_heads_),
+             write_blocks, write_offsets);
+    auto out =
+        paged_decode_attention(qk.narrow(1, 0, heads_).contiguous(), k_cache, v_cache, table, positions, scale_);
+    return project(b.out, out.flatten(-2));
+  }
+
+  torch::Tensor mamba2(const Block& b, const torch::Tensor& x, torch::Tensor conv_cache, torch::Tensor ssm_cache,
+                       const torch::Tensor& slots, const c10::optional<torch::Tensor>& starts,
+                       const c10::optional<torch::Tensor>& fresh) const {
+    const MambaShape& s = b.shape;
+    const MambaParams& m = b.mamba;
+    const int64_t tokens = x.size(0), bc = s.groups * s.state;
+    auto in = project(b.in, x);
+    auto gate = in.narrow(1, 0, s.intermediate), dt = in.narrow(1, s.intermediate + s.conv_dim, s.heads);
+    auto xbc = causal_conv(conv_cache, slots, in.narrow(1, s.intermediate, s.conv_dim), m.conv_weight, m.conv_bias,
+                           starts, fresh);
+    auto xs = xbc.narrow(1, 0, s.intermediate).view({tokens, s.heads, s.head_dim});
+    auto bs = xbc.narrow(1, s.intermediate, bc).view({tokens, s.groups, s.state});
+    auto cs = xbc.narrow(1, s.intermediate + bc, bc).view({tokens, s.groups, s.state});
+    auto y = mamba_ssm_scan(ssm_cache, slots, xs.contiguous(), dt.contiguous(), m.dt_bias, m.a, m.d, bs.contiguous(),
+                            cs.contiguous(), m.dt_min, starts, fresh);
+    return project(b.out, gated_rms_norm(y.flatten(-2), gate, m.norm, m.norm_group, m.norm_eps));
+  }
+
   int64_t heads_, kv_heads_, head_dim_;
-  double norm_eps_, qk_eps_, scale_;
+  double scale_, qk_eps_;
   int64_t panel_rows_, vector_bits_;
-  std::vector<Layer> layers_;
+  std::vector<Block> blocks_;
 };
 }  // namespace
 
@@ -973,8 +1074,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_vector_bits", &panel_vector_bits);
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, int64_t>());
-  pybind11::class_<DenseDecodeStack>(m, "DenseDecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t>())
-      .def("add_layer", &DenseDecodeStack::add_layer)
-      .def("forward", &DenseDecodeStack::forward);
+  pybind11::class_<MambaShape>(m, "MambaShape")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>());
+  pybind11::class_<MambaParams>(m, "MambaParams")
+      .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, double, double, int64_t>());
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
+      .def("add_attention", &DecodeStack::add_attention)
+      .def("add_swiglu", &DecodeStack::add_swiglu)
+      .def("add_relu2", &DecodeStack::add_relu2)
+      .def("add_mamba2", &DecodeStack::add_mamba2)
+      .def("forward", &DecodeStack::forward);
 }

@@ -1,0 +1,204 @@
+"""A decode step through a model's layers as one C++ call (docs/design.md §13).
+
+On a CPU at batch 1 the step of a ~0.6B model is ~85% the weights' reads, at the machine's
+bandwidth, and ~15% the Python and dispatch of its ~400 small calls, while the second thread
+waits. `DecodeStack` (kernels/cpu/csrc/cpu_kernels.cpp) runs the same kernels and ATen ops in
+the same order as the layers' forward on a step of single-token requests, so its output is
+theirs bit for bit. Built here for Qwen3 (attention with q/k norm and rotation, SwiGLU MLPs)
+and NemotronH (Mamba2, attention, relu^2 MLPs); anything else takes the layers' own forward:
+a prefill chunk in the step, tensor parallelism, a mixture of experts, weights not packed,
+the kernels off, another dtype, attention layers in more than one cache group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from kernels.cpu import ops as cpu_kernels
+from models.batch import ForwardBatch, LayerCache
+from models.layers import GatedRMSNorm, Linear, RMSNorm, Rotary, StackedLinear
+from models.mamba import Mamba2Mixer
+from models.mlp import GatedMLP, Relu2MLP
+
+
+class _Unfused(Exception):
+    """A layer the stack cannot run: the model keeps its layers' forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fused:
+    stack: Any  # the C++ DecodeStack
+    attention: tuple[int, ...]  # layer ids, in block order
+    mamba: tuple[int, ...]
+    rotary: Rotary | None  # Qwen3's: q and k are rotated
+
+
+def _fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise _Unfused
+    return [t.detach() for t in tensors]
+
+
+def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    if not isinstance(norm, RMSNorm):
+        raise _Unfused
+    return _fp32(norm.weight)[0], norm.eps
+
+
+def _projection(kernels: Any, linear: nn.Module | None) -> Any:
+    """The C++ view of a packed fp32 `Linear`."""
+    if not isinstance(linear, Linear) or linear.packed is None:
+        raise _Unfused
+    return kernels.Projection(linear.panels, linear.packed, linear.bias, linear.out_features)
+
+
+def _stacked(module: nn.Module, stack: str) -> StackedLinear:
+    fused = module.stacked(stack) if hasattr(module, "stacked") else None
+    if fused is None:
+        raise _Unfused
+    return fused
+
+
+def _mlp(kernels: Any, stack: Any, norm: nn.Module, mlp: nn.Module) -> None:
+    if isinstance(mlp, GatedMLP):
+        stack.add_swiglu(
+            *_norm(norm), _projection(kernels, _stacked(mlp, "gate_up_proj")), _projection(kernels, mlp.down_proj)
+        )
+    elif isinstance(mlp, Relu2MLP):
+        stack.add_relu2(*_norm(norm), _projection(kernels, mlp.up_proj), _projection(kernels, mlp.down_proj))
+    else:
+        raise _Unfused  # a mixture of experts
+
+
+def _mamba2(kernels: Any, stack: Any, norm: nn.Module, mixer: Mamba2Mixer) -> None:
+    s = mixer.spec
+    gated = mixer.norm
+    if not isinstance(gated, GatedRMSNorm) or s.intermediate_size % gated.group_size:
+        raise _Unfused  # a group across tensor-parallel ranks
+    conv_weight, dt_bias, d, norm_weight = _fp32(mixer.conv1d.weight, mixer.dt_bias, mixer.D, gated.weight)
+    conv_bias = None if mixer.conv1d.bias is None else _fp32(mixer.conv1d.bias)[0]
+    a = -torch.exp(mixer.A_log.detach().float())  # what the mixer computes every step
+    shape = kernels.MambaShape(s.intermediate_size, s.conv_dim, s.num_heads, s.head_dim, s.n_groups, s.state_size)
+    params = kernels.MambaParams(
+        conv_weight, conv_bias, dt_bias, a, d, norm_weight, s.time_step_min, gated.eps, gated.group_size
+    )
+    stack.add_mamba2(
+        *_norm(norm), _projection(kernels, mixer.in_proj), _projection(kernels, mixer.out_proj), shape, params
+    )
+
+
+def _blocks(model: nn.Module) -> Iterator[tuple[int, str, nn.Module, nn.Module]]:
+    """(layer id, kind, norm, mixer) of each residual block, in order."""
+    from models.nemotron_h import NemotronHForCausalLM
+    from models.qwen3 import Qwen3ForCausalLM
+
+    layers = list(cast(nn.ModuleList, model.model.layers))
+    if isinstance(model, Qwen3ForCausalLM):
+        for i, layer in enumerate(layers):
+            yield i, "attention", layer.input_layernorm, layer.self_attn
+            yield i, "mlp", layer.post_attention_layernorm, layer.mlp
+    elif isinstance(model, NemotronHForCausalLM):
+        for i, block in enumerate(layers):
+            yield i, block.kind, block.norm, block.mixer
+    else:
+        raise _Unfused
+
+
+def build(model: nn.Module) -> _Fused | None:
+    """The decode stack of a Qwen3 or NemotronH model as the installed kernel choice runs it, or
+    None where some layer cannot run in it."""
+    choice = cpu_kernels.installed()
+    kernels = cpu_kernels.load() if choice.on else None
+    if kernels is None or model.tp.size != 1:
+        return None
+    try:
+        return _build(kernels, choice, list(_blocks(model)))
+    except _Unfused:
+        return None
+
+
+def _build(
+    kernels: Any, choice: cpu_kernels.KernelChoice, blocks: list[tuple[int, str, nn.Module, nn.Module]]
+) -> _Fused:
+    first = next((mixer for _, kind, _, mixer in blocks if kind == "attention"), None)
+    heads, kv_heads, head_dim, scale = (
+        (0, 0, 0, 0.0) if first is None else (first.heads, first.kv_heads, first.head_dim, first.scale)
+    )
+    qk_eps = first.q_norm.eps if first is not None and hasattr(first, "q_norm") else 0.0
+    bits = choice.vector_bits or cpu_kernels.panel_vector_bits()
+    stack = kernels.DecodeStack(heads, kv_heads, head_dim, scale, qk_eps, choice.panel_rows, bits)
+    attention: list[int] = []
+    mamba: list[int] = []
+    rotary: Rotary | None = None
+    for i, kind, norm, mixer in blocks:
+        if kind == "attention":
+            qk_norm = _fp32(mixer.qk_norm_weight)[0] if hasattr(mixer, "qk_norm_weight") else None
+            rotary = cast(Rotary, mixer.rotary) if qk_norm is not None else None
+            qkv, o = _projection(kernels, _stacked(mixer, "qkv_proj")), _projection(kernels, mixer.o_proj)
+            stack.add_attention(*_norm(norm), qkv, o, qk_norm)
+            attention.append(i)
+        elif kind == "mamba" and isinstance(mixer, Mamba2Mixer):
+            _mamba2(kernels, stack, norm, mixer)
+            mamba.append(i)
+        elif kind == "mlp":
+            _mlp(kernels, stack, norm, mixer)
+        else:
+            raise _Unfused
+    return _Fused(stack, tuple(attention), tuple(mamba), rotary)
+
+
+# Each model's stack and the kernel choice it was built under: a choice installed later (a
+# test's `cpu_kernels.using`) builds it again. Kept beside the module, not on it: a C++
+# stack cannot be deep-copied with it.
+_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[cpu_kernels.KernelChoice, _Fused | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def decode(
+    model: nn.Module, h: torch.Tensor, batch: ForwardBatch, caches: dict[int, LayerCache]
+) -> torch.Tensor | None:
+    """The step's hidden states after the last layer [N, hidden] from its embedded tokens `h`,
+    or None where the step is not one the stack runs (the caller then runs the layers)."""
+    if batch.max_query_len != 1 or torch.is_grad_enabled() or h.dtype != torch.float32 or h.device.type != "cpu":
+        return None
+    choice = cpu_kernels.installed()
+    built = _STACKS.get(model)
+    if built is None or built[0] is not choice:
+        built = _STACKS[model] = (choice, build(model))
+    fused = built[1]
+    if fused is None:
+        return None
+    meta = batch.attn.get(fused.attention[0]) if fused.attention else None
+    if any(batch.attn.get(i) is not meta for i in fused.attention):
+        return None  # attention layers in several cache groups
+    k_caches = [caches[i][0] for i in fused.attention]
+    v_caches = [caches[i][1] for i in fused.attention]
+    conv = [caches[i][0] for i in fused.mamba]
+    ssm = [caches[i][1] for i in fused.mamba]
+    if any(c.dtype != torch.float32 or c.device.type != "cpu" for c in (*k_caches, *v_caches, *conv, *ssm)):
+        return None
+    cos, sin = fused.rotary.table(batch.positions, h.dtype) if fused.rotary is not None else (None, None)
+    starts, fresh = batch.state_spans if batch.state_spans is not None else (None, None)
+    return fused.stack.forward(
+        h,
+        k_caches,
+        v_caches,
+        None if meta is None else meta.write_blocks,
+        None if meta is None else meta.write_offsets,
+        None if meta is None else meta.block_table,
+        batch.positions,
+        cos,
+        sin,
+        conv,
+        ssm,
+        [batch.mamba_slots[i] for i in fused.mamba],
+        starts,
+        fresh,
+    )
