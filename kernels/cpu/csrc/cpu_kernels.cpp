@@ -1063,14 +1063,17 @@ class DecodeStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("write_kv", &write_kv);
-  m.def("mamba_ssm_scan", &mamba_ssm_scan);
-  m.def("causal_conv", &causal_conv);
-  m.def("qk_norm_rope", &qk_norm_rope);
-  m.def("rms_norm", &rms_norm);
-  m.def("gated_rms_norm", &gated_rms_norm);
-  m.def("panel_linear", &panel_linear);
+  // Every op runs without the GIL, as torch's own ops do: a worker's event loop sends the
+  // last step's tokens while the compute thread runs the next step (docs/design.md §13).
+  const auto released = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, released);
+  m.def("write_kv", &write_kv, released);
+  m.def("mamba_ssm_scan", &mamba_ssm_scan, released);
+  m.def("causal_conv", &causal_conv, released);
+  m.def("qk_norm_rope", &qk_norm_rope, released);
+  m.def("rms_norm", &rms_norm, released);
+  m.def("gated_rms_norm", &gated_rms_norm, released);
+  m.def("panel_linear", &panel_linear, released);
   m.def("panel_vector_bits", &panel_vector_bits);
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, int64_t>());
@@ -1085,5 +1088,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_swiglu", &DecodeStack::add_swiglu)
       .def("add_relu2", &DecodeStack::add_relu2)
       .def("add_mamba2", &DecodeStack::add_mamba2)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward, released);
 }
