@@ -1,9 +1,9 @@
 """A model's decode step as one C++ call (models/decode_stack.py) is the layers' own forward
 bit for bit, for Qwen3 (attention with q/k norm and rotation, SwiGLU) and NemotronH (Mamba2,
 attention, relu^2): logits, and the K/V and states it writes, step after step, with the
-projections on panel_linear and on oneDNN (either side of the row limit), in a tight pool
-whose pages are interleaved across requests. Steps it does not take (a prefill chunk in the
-step, a mixture of experts, the kernels off) run the layers."""
+projections on panel_linear (either vector width) and on oneDNN (either side of the row
+limit), in a tight pool whose pages are interleaved across requests. Steps it does not take (a
+prefill chunk in the step, a mixture of experts, the kernels off) run the layers."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from models.batch import SeqChunk, build_forward_batch
 from models.layers import pack_linears, stack_projections
 from models.loader import build_model
 from models.model_files import load_config
+from tests.kernels.cpu.vector_widths import VECTOR_BITS
 from tests.models.hf_fixtures import save_hf_model
 
 BLOCK = 4
@@ -90,13 +91,14 @@ def _run(model, cfg):
     return out, [b.clone() for b in buffers]
 
 
+@pytest.mark.parametrize("vector_bits", VECTOR_BITS)
 @pytest.mark.parametrize("panel_rows", [1, 8], ids=["onednn", "panel_linear"])
-def test_fused_decode_is_the_layers_bit_for_bit(checkpoint, monkeypatch, panel_rows):
+def test_fused_decode_is_the_layers_bit_for_bit(checkpoint, monkeypatch, panel_rows, vector_bits):
     choice = cpu_kernels.decide(True)
     assert choice.on, choice.why
     cfg, model = _model(checkpoint)
     _, plain = _model(checkpoint)  # the same weights, packed again
-    with cpu_kernels.using(dataclasses.replace(choice, panel_rows=panel_rows)):
+    with cpu_kernels.using(dataclasses.replace(choice, panel_rows=panel_rows, vector_bits=vector_bits)):
         counting = _Counting(decode_stack.decode)
         monkeypatch.setattr(decode_stack, "decode", counting)
         fused_logits, fused_pages = _run(model, cfg)
