@@ -22,7 +22,7 @@ from torch import nn
 
 from kernels.cpu import ops as cpu_kernels
 from models.batch import ForwardBatch, LayerCache
-from models.layers import GatedRMSNorm, Linear, RMSNorm, Rotary, StackedLinear
+from models.layers import GatedRMSNorm, Linear, ProjectionStacks, RMSNorm, Rotary, StackedLinear
 from models.mamba import Mamba2Mixer
 from models.mlp import GatedMLP, Relu2MLP
 
@@ -59,7 +59,7 @@ def _projection(kernels: Any, linear: nn.Module | None) -> Any:
 
 
 def _stacked(module: nn.Module, stack: str) -> StackedLinear:
-    fused = module.stacked(stack) if hasattr(module, "stacked") else None
+    fused = module.stacked(stack) if isinstance(module, ProjectionStacks) else None
     if fused is None:
         raise _Unfused
     return fused
@@ -130,16 +130,18 @@ def _build(
     heads, kv_heads, head_dim, scale = (
         (0, 0, 0, 0.0) if first is None else (first.heads, first.kv_heads, first.head_dim, first.scale)
     )
-    qk_eps = first.q_norm.eps if first is not None and hasattr(first, "q_norm") else 0.0
+    # Qwen3's attention normalises and rotates q and k (its stacked norm weights, one rotary
+    # table for every layer); NemotronH's does neither.
+    rotated = first is not None and hasattr(first, "qk_norm_weight")
+    qk_eps = first.q_norm.eps if rotated else 0.0
+    rotary = cast(Rotary, first.rotary) if rotated else None
     bits = choice.vector_bits or cpu_kernels.panel_vector_bits()
     stack = kernels.DecodeStack(heads, kv_heads, head_dim, scale, qk_eps, choice.panel_rows, bits)
     attention: list[int] = []
     mamba: list[int] = []
-    rotary: Rotary | None = None
     for i, kind, norm, mixer in blocks:
         if kind == "attention":
-            qk_norm = _fp32(mixer.qk_norm_weight)[0] if hasattr(mixer, "qk_norm_weight") else None
-            rotary = cast(Rotary, mixer.rotary) if qk_norm is not None else None
+            qk_norm = _fp32(mixer.qk_norm_weight)[0] if rotated else None
             qkv, o = _projection(kernels, _stacked(mixer, "qkv_proj")), _projection(kernels, mixer.o_proj)
             stack.add_attention(*_norm(norm), qkv, o, qk_norm)
             attention.append(i)

@@ -886,7 +886,8 @@ struct Projection {
   int64_t out_features;
 };
 
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
                                  c10::optional<std::string>("")};
@@ -923,10 +924,12 @@ class DecodeStack {
 
   // `qk_norm`: Qwen3's stacked q and k norm weights [heads + kv_heads, head_dim], which also
   // turn on the rotation; none for attention without either (NemotronH).
-  void add_attention(torch::Tensor norm, double eps, Projection qkv, Projection o, c10::optional<torch::Tensor> qk_norm) {
+  void add_attention(torch::Tensor norm, double eps, Projection qkv, Projection o,
+                     c10::optional<torch::Tensor> qk_norm) {
     TORCH_CHECK(qkv.out_features == (heads_ + 2 * kv_heads_) * head_dim_, "qkv has ", qkv.out_features,
                 " outputs, not (heads + 2 kv_heads) * head_dim");
     blocks_.push_back({Kind::kAttention, std::move(norm), eps, std::move(qkv), std::move(o), std::move(qk_norm)});
+    ++num_attention_;
   }
 
   void add_swiglu(torch::Tensor norm, double eps, Projection gate_up, Projection down) {
@@ -946,6 +949,7 @@ class DecodeStack {
     block.shape = shape;
     block.mamba = std::move(params);
     blocks_.push_back(std::move(block));
+    ++num_mamba_;
   }
 
   // h [tokens, hidden]. Attention blocks take their pages, in block order, from `k_caches` and
@@ -960,16 +964,13 @@ class DecodeStack {
                         std::vector<torch::Tensor> ssm_caches, const std::vector<torch::Tensor>& slots,
                         const c10::optional<torch::Tensor>& starts, const c10::optional<torch::Tensor>& fresh) const {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "h must be float32 [tokens, hidden]");
-    size_t attention = 0, mamba = 0;
-    for (const Block& b : blocks_) {
-      attention += b.kind == Kind::kAttention;
-      mamba += b.kind == Kind::kMamba2;
-    }
-    TORCH_CHECK(k_caches.size() == attention && v_caches.size() == attention, "one K and one V cache an attention block");
-    TORCH_CHECK(attention == 0 || (write_blocks && write_offsets && table), "attention needs the step's slots and table");
-    TORCH_CHECK(conv_caches.size() == mamba && ssm_caches.size() == mamba && slots.size() == mamba,
+    TORCH_CHECK(k_caches.size() == num_attention_ && v_caches.size() == num_attention_,
+                "one K and one V cache an attention block");
+    TORCH_CHECK(num_attention_ == 0 || (write_blocks && write_offsets && table),
+                "attention needs the step's slots and table");
+    TORCH_CHECK(conv_caches.size() == num_mamba_ && ssm_caches.size() == num_mamba_ && slots.size() == num_mamba_,
                 "one conv state, SSM state and slots a Mamba2 block");
-    attention = mamba = 0;
+    size_t attention = 0, mamba = 0;
     for (const Block& b : blocks_) {
       auto x = rms_norm(h, b.norm, b.eps);
       switch (b.kind) {
@@ -1020,7 +1021,8 @@ class DecodeStack {
   }
 
   torch::Tensor attend(const Block& b, const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache,
-                       const torch::Tensor& write_blocks, const torch::Tensor& write_offsets, const torch::Tensor& table,
+                       const torch::Tensor& write_blocks, const torch::Tensor& write_offsets,
+                       const torch::Tensor& table,
                        const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
                        const c10::optional<torch::Tensor>& sin) const {
     const int64_t tokens = x.size(0);
@@ -1059,6 +1061,7 @@ class DecodeStack {
   double scale_, qk_eps_;
   int64_t panel_rows_, vector_bits_;
   std::vector<Block> blocks_;
+  size_t num_attention_ = 0, num_mamba_ = 0;
 };
 }  // namespace
 
