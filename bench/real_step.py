@@ -50,7 +50,7 @@ async def _one(core: EngineCore, prompt: list[int], max_tokens: int) -> list[flo
                     return stamps
 
 
-async def _engine_figures(model: Path, args: argparse.Namespace) -> tuple[float, float]:
+async def engine_figures(model: Path, args: argparse.Namespace) -> tuple[float, float]:
     """Best TTFT and TPOT (seconds) over `args.repeats` requests, after one to warm up."""
     torch.set_num_threads(args.threads)
     cfg = Config(
@@ -78,7 +78,7 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
     make_real(kind, model)
     cost = model_cost(model)
     machine = measure(cost.weight_bytes_per_token, args.threads)
-    ttft, tpot = asyncio.run(_engine_figures(model, args))
+    ttft, tpot = asyncio.run(engine_figures(model, args))
     tpot_bound = cost.tpot_bound_s(machine.bandwidth_bytes_s)
     ttft_bound = cost.ttft_bound_s(args.prompt_len, machine.matmul_peak_flops)
     return {
@@ -94,21 +94,31 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="dense,hybrid", help=f"comma-separated, of {', '.join(REAL_BUILDERS)}")
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The in-process engine's options, shared with bench.background."""
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "raypd-real-step")
+
+
+def check_engine_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what `add_engine_args` added out of range, by name."""
+    if args.threads < 1 or args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
+        ap.error("--threads, --prompt-len and --repeats must be at least 1, --max-tokens at least 2")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="dense,hybrid", help=f"comma-separated, of {', '.join(REAL_BUILDERS)}")
+    add_engine_args(ap)
     args = ap.parse_args()
     kinds = args.models.split(",")
     unknown = [k for k in kinds if k not in REAL_BUILDERS]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(REAL_BUILDERS)}")
-    if args.threads < 1 or args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
-        ap.error("--threads, --prompt-len and --repeats must be at least 1, --max-tokens at least 2")
+    check_engine_args(ap, args)
     print(cpu_line(), flush=True)
     ratios: dict[str, float] = {}
     for kind in kinds:

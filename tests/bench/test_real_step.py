@@ -18,7 +18,7 @@ from engine.config import DEFAULT_MODEL
 
 def test_the_engine_figures_come_from_each_token_s_arrival():
     args = argparse.Namespace(threads=1, prompt_len=8, max_tokens=3, repeats=1)
-    ttft, tpot = asyncio.run(real_step._engine_figures(Path(DEFAULT_MODEL), args))
+    ttft, tpot = asyncio.run(real_step.engine_figures(Path(DEFAULT_MODEL), args))
     assert 0 < ttft < math.inf and 0 < tpot < math.inf
 
 
