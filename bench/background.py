@@ -11,11 +11,12 @@ compute threads on two cores every wake-up takes a core from one of them while t
 for it at the next OpenMP barrier. The compute threads' involuntary context switches per
 request count those preemptions.
 
-    python -m bench.background [--model dense] [--threads 2] [--beside raypd,vllm] [--work-dir DIR]
+    python -m bench.background [--model dense] [--threads 2] [--beside raypd,vllm] [--rounds 1] [--work-dir DIR]
 
-prints the CPU line, one JSON line per setting (`alone` before and after the servers, then
-`beside_<server>`), and a last line of ratios over the mean of the two `alone` runs:
-`background_<server>_ttft` and `background_<server>_tpot`.
+prints the CPU line, one JSON line per run (`alone` before each server's and after the last, each
+`beside_<server>` with that server up), and a last line of ratios, each setting's mean over the
+mean of the runs alone: `background_<server>_ttft` and `background_<server>_tpot`. The guest's
+speed drifts by several percent over minutes; `--rounds` repeats the whole sequence.
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ def involuntary_switches() -> int:
 
 
 def measure(model: Path, args: argparse.Namespace, setting: str) -> dict[str, Any]:
-    """Best TTFT and TPOT of the in-process engine, and its preemptions per request."""
-    before = involuntary_switches()
-    ttft, tpot = asyncio.run(engine_figures(model, args))
+    """Best TTFT and TPOT of the in-process engine, and its preemptions per request, read
+    before the engine closes (its threads' counts leave /proc with them)."""
+    counts = [involuntary_switches()]
+    ttft, tpot = asyncio.run(engine_figures(model, args, lambda: counts.append(involuntary_switches())))
     requests = args.repeats + 1  # engine_figures warms up with one more
     return {
         "setting": setting,
         "ttft_ms": round(ttft * 1e3, 1),
         "tpot_ms": round(tpot * 1e3, 1),
-        "preemptions_per_request": round((involuntary_switches() - before) / requests),
+        "preemptions_per_request": round((counts[-1] - counts[0]) / requests),
     }
 
 
@@ -74,15 +76,21 @@ def server_command(name: str, model: Path, args: argparse.Namespace) -> Callable
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Each `beside_<server>` row's TTFT and TPOT over the mean of the `alone` rows."""
-    alone = [r for r in rows if r["setting"] == "alone"]
-    base = {k: sum(r[k] for r in alone) / len(alone) for k in ("ttft_ms", "tpot_ms")}
-    out: dict[str, float] = {}
+    """The mean TTFT and TPOT of each server's `beside_<server>` rows over those of the
+    `alone` rows."""
+    by_setting: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        if row["setting"].startswith("beside_"):
-            name = row["setting"].removeprefix("beside_")
-            out[f"background_{name}_ttft"] = round(row["ttft_ms"] / base["ttft_ms"], 3)
-            out[f"background_{name}_tpot"] = round(row["tpot_ms"] / base["tpot_ms"], 3)
+        by_setting.setdefault(row["setting"], []).append(row)
+
+    def mean(setting: str, key: str) -> float:
+        return sum(r[key] for r in by_setting[setting]) / len(by_setting[setting])
+
+    out: dict[str, float] = {}
+    for setting in by_setting:
+        if setting.startswith("beside_"):
+            name = setting.removeprefix("beside_")
+            for key, metric in (("ttft_ms", "ttft"), ("tpot_ms", "tpot")):
+                out[f"background_{name}_{metric}"] = round(mean(setting, key) / mean("alone", key), 3)
     return out
 
 
@@ -92,6 +100,7 @@ def main() -> None:
     add_engine_args(ap)
     ap.add_argument("--beside", default="raypd,vllm", help=f"comma-separated, of {', '.join(SERVERS)}")
     ap.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
+    ap.add_argument("--rounds", type=int, default=1, help="times each server is started, a run alone before each")
     args = ap.parse_args()
     beside = args.beside.split(",")
     if args.model not in REAL_BUILDERS:
@@ -101,18 +110,27 @@ def main() -> None:
     if "vllm" in beside and not args.vllm_python.is_file():
         ap.error(f"--vllm-python {args.vllm_python} does not exist: run `make bench-peers-real` to create .venv-vllm")
     check_engine_args(ap, args)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     model = args.work_dir / args.model  # bench.real_step's and bench.peers_real's layout
     make_real(args.model, model)
     print(cpu_line(), flush=True)
-    rows = [measure(model, args, "alone")]
-    print(json.dumps(rows[-1]), flush=True)
-    for name in beside:
-        log = args.work_dir / f"background-{name}-server.log"
-        with serving(server_command(name, model, args), vllm_env(args.threads), log):
-            rows.append(measure(model, args, f"beside_{name}"))
+    rows: list[dict[str, Any]] = []
+
+    def run(setting: str) -> None:
+        rows.append(measure(model, args, setting))
         print(json.dumps(rows[-1]), flush=True)
-    rows.append(measure(model, args, "alone"))
-    print(json.dumps(rows[-1]), flush=True)
+
+    for _ in range(args.rounds):
+        for name in beside:
+            run("alone")
+            with serving(
+                server_command(name, model, args),
+                vllm_env(args.threads),
+                args.work_dir / f"background-{name}-server.log",
+            ):
+                run(f"beside_{name}")
+    run("alone")
     print(json.dumps(ratios(rows)))
 
 

@@ -23,6 +23,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,11 @@ async def _one(core: EngineCore, prompt: list[int], max_tokens: int) -> list[flo
                     return stamps
 
 
-async def engine_figures(model: Path, args: argparse.Namespace) -> tuple[float, float]:
-    """Best TTFT and TPOT (seconds) over `args.repeats` requests, after one to warm up."""
+async def engine_figures(
+    model: Path, args: argparse.Namespace, before_close: Callable[[], None] = lambda: None
+) -> tuple[float, float]:
+    """Best TTFT and TPOT (seconds) over `args.repeats` requests, after one to warm up.
+    `before_close` runs after the last request, while the engine's threads are still alive."""
     torch.set_num_threads(args.threads)
     cfg = Config(
         model=str(model), dtype="float32", device="cpu", max_num_seqs=1, seed=0, worker_cpus=f"0-{args.threads - 1}"
@@ -67,6 +71,7 @@ async def engine_figures(model: Path, args: argparse.Namespace) -> tuple[float, 
             if i:
                 ttft = min(ttft, stamps[0])
                 tpot = min(tpot, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        before_close()
         return ttft, tpot
     finally:
         await core.close()

@@ -1,25 +1,31 @@
-"""bench.background: its ratios are each server's row over the mean of the two runs alone, the
-preemption counter reads this process's threads, and bad arguments are refused by name before
-any checkpoint is made or server started."""
+"""bench.background: its ratios are each setting's mean over the mean of the runs alone, the
+preemption counter reads this process's threads while the engine's are alive, and bad arguments
+are refused by name before any checkpoint is made or server started."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import hashlib
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from bench import background
+from bench import background, real_step
+from engine.config import DEFAULT_MODEL
 
 
-def test_ratios_are_over_the_mean_of_the_runs_alone():
+def test_ratios_are_each_setting_s_mean_over_the_mean_of_the_runs_alone():
     rows = [
         {"setting": "alone", "ttft_ms": 400.0, "tpot_ms": 90.0},
-        {"setting": "beside_raypd", "ttft_ms": 550.0, "tpot_ms": 110.0},
-        {"setting": "beside_vllm", "ttft_ms": 440.0, "tpot_ms": 99.0},
+        {"setting": "beside_raypd", "ttft_ms": 500.0, "tpot_ms": 100.0},
         {"setting": "alone", "ttft_ms": 480.0, "tpot_ms": 110.0},
+        {"setting": "beside_vllm", "ttft_ms": 440.0, "tpot_ms": 99.0},
+        {"setting": "beside_raypd", "ttft_ms": 600.0, "tpot_ms": 120.0},
+        {"setting": "alone", "ttft_ms": 440.0, "tpot_ms": 100.0},
     ]
     assert background.ratios(rows) == {
         "background_raypd_ttft": 1.25,
@@ -27,6 +33,21 @@ def test_ratios_are_over_the_mean_of_the_runs_alone():
         "background_vllm_ttft": 1.0,
         "background_vllm_tpot": 0.99,
     }
+
+
+def test_the_count_is_read_while_the_engine_s_threads_run():
+    """`engine_figures` calls back before it closes the engine: the compute stream's thread
+    (and its OpenMP team) is alive then, and gone after, with its switches."""
+    seen: list[list[str]] = []
+    args = argparse.Namespace(threads=1, prompt_len=8, max_tokens=3, repeats=1)
+    asyncio.run(real_step.engine_figures(Path(DEFAULT_MODEL), args, lambda: seen.append(_thread_names())))
+    assert len(seen) == 1
+    assert any(name.startswith("compute-stream") for name in seen[0])
+    assert not any(name.startswith("compute-stream") for name in _thread_names())
+
+
+def _thread_names() -> list[str]:
+    return [t.name for t in threading.enumerate()]
 
 
 def test_preemptions_are_counted_over_this_process_s_threads():
@@ -64,6 +85,7 @@ def test_preemptions_are_counted_over_this_process_s_threads():
         (["--beside", "raypd,sglang"], "sglang"),
         (["--beside", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python"),
         (["--max-tokens", "1"], "--max-tokens"),
+        (["--rounds", "0"], "--rounds"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, named, monkeypatch, capsys, tmp_path):
