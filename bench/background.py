@@ -3,13 +3,13 @@ of bench.real_step timed alone, then beside an idle raypd server and beside an i
 the same model, each started on the same cores and sent nothing.
 
 A served raypd prefill at real size takes ~15% longer than the same prefill in process, and the
-HTTP path is not where it goes (docs/design.md §13). This isolates the one thing the two differ
+HTTP path is not where it goes (BENCHMARKS.md, "What bounds the rest"). This isolates the one thing the two differ
 in, the other processes on the forward's cores: a Ray cluster (GCS, raylet, agents), Serve's
 controller and proxy, raypd's controller, engine and API replica. Each Ray worker process wakes
 its main thread every 10 ms to check for signals, besides its own timers and polls, and with two
 compute threads on two cores every wake-up takes a core from one of them while the other waits
-for it at the next OpenMP barrier. The compute threads' involuntary context switches per
-request count those preemptions.
+for it at the next OpenMP barrier (docs/design.md §14). The engine threads' involuntary context
+switches per request count those preemptions.
 
     python -m bench.background [--model dense] [--threads 2] [--beside raypd,vllm] [--rounds 1] [--work-dir DIR]
 
@@ -38,8 +38,8 @@ SERVERS = ("raypd", "vllm")
 
 
 def involuntary_switches() -> int:
-    """This process's involuntary context switches so far, summed over its threads (those
-    that ended are not counted: the engine's threads outlive a measurement)."""
+    """This process's involuntary context switches so far, summed over its live threads: an
+    ended thread's count leaves /proc with it, so `measure` reads this before the engine closes."""
     total = 0
     for tid in os.listdir("/proc/self/task"):
         try:
