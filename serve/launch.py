@@ -45,7 +45,14 @@ class Deployment:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
 
-QUIET_LOCAL_CLUSTER = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+QUIET_LOCAL_CLUSTER = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
 """Settings of a cluster raypd starts itself (docs/design.md §14), each overridden by the same
 variable in the environment. Serve's controller reconciles every 0.1 s by default; an idle
 service's controller then took 2.6% of a core, on the cores the forward computes on. Every
@@ -53,7 +60,21 @@ service's controller then took 2.6% of a core, on the cores the forward computes
 raypd's own controller watches the engines; Serve's only restarts API replicas and routes to
 them, a second later at most. The proxy and each replica flush Serve's request metrics every
 0.1 s by default, ~0.4% of a core each while idle; every second, Serve's metrics lag by a
-second more."""
+second more.
+
+The other four are Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode less its direct ingress (which
+leaves no proxy on the port without HAProxy): the proxy streams to the replicas over gRPC, the
+app's code and Serve's router run on the replica's own event loop, not a thread and a loop of
+their own, and request-path log lines are written 1000 at a time (an ERROR line at once). Each
+streamed token costs the proxy and the replica about a third less CPU, taken from the forward's
+cores on a laptop (BENCHMARKS.md, `bench.peers_real`)."""
+
+
+def quiet_local_cluster() -> None:
+    """Put `QUIET_LOCAL_CLUSTER` into this process's environment, where the processes of a
+    cluster it starts next with ray.init read it; a variable already set is left as it is."""
+    for name, value in QUIET_LOCAL_CLUSTER.items():
+        os.environ.setdefault(name, value)
 
 
 def start(cfg: Config, **ray_init: Any) -> Deployment:
@@ -67,8 +88,7 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
                     "--detach needs a running cluster to stay on: give --address (or RAY_ADDRESS, which a Ray job sets)"
                 )
             if cluster_address(cfg) is None:
-                for name, value in QUIET_LOCAL_CLUSTER.items():
-                    os.environ.setdefault(name, value)  # read by the processes ray.init starts
+                quiet_local_cluster()
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
                 # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
                 ray.init(

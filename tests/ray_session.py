@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from serve.engines import NAMESPACE
+from serve.launch import quiet_local_cluster
 
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -18,9 +19,11 @@ SHUTDOWN_TIMEOUT_S = 30.0
 @contextmanager
 def ray_session() -> Iterator[None]:
     """A fresh local cluster (8 logical CPUs: the actors take none); refuses to start over a
-    session that an earlier test left running, whose actors would be mistaken for this one's."""
+    session that an earlier test left running, whose actors would be mistaken for this one's.
+    Serve runs in it as in a cluster `python -m serve` starts (`QUIET_LOCAL_CLUSTER`)."""
     if ray.is_initialized():
         raise RuntimeError("a Ray session is already up: an earlier test left it running")
+    quiet_local_cluster()
     ray.init(address="local", namespace=NAMESPACE, num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield

@@ -14,6 +14,7 @@ import httpx
 
 from actors.ports import free_port
 from bench.proc_tree import descendants, title
+from serve.launch import QUIET_LOCAL_CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "tiny-hybrid"
@@ -50,7 +51,8 @@ def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
 def run_server(tmp_path: Path, model: str, *flags: str):
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYPD_")}
+    # Serve's settings too: this process's test clusters put raypd's into its environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYPD_", "RAY_SERVE_"))}
     env["RAYPD_MAX_MODEL_LEN"] = "256"  # one knob from the environment, the rest from flags
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -104,6 +106,10 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         below = [title(pid) for pid in descendants(proc.pid)]
         assert any(t.startswith("ray::ProxyActor") for t in below), below
         assert not [t for t in below if t.startswith("ray-dashboard-")], below
+        # Serve as the cluster raypd starts runs it (serve/launch.py): gRPC to the replicas, ...
+        (proxy,) = [pid for pid in descendants(proc.pid) if title(pid).startswith("ray::ProxyActor")]
+        environ = set(Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0"))
+        assert {f"{k}={v}".encode() for k, v in QUIET_LOCAL_CLUSTER.items()} <= environ
     except BaseException:
         proc.kill()
         proc.wait()
