@@ -66,8 +66,8 @@ The other four are Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode less its direct i
 leaves no proxy on the port without HAProxy): the proxy streams to the replicas over gRPC, the
 app's code and Serve's router run on the replica's own event loop, not a thread and a loop of
 their own, and request-path log lines are written 1000 at a time (an ERROR line at once). Each
-streamed token costs the proxy and the replica about a third less CPU, taken from the forward's
-cores on a laptop (BENCHMARKS.md, `bench.peers_real`)."""
+streamed token costs the proxy about a third less CPU and the replica a fifth less, taken from
+the forward's cores on a laptop (BENCHMARKS.md, `bench.peers_real`)."""
 
 
 def quiet_local_cluster() -> None:

@@ -103,11 +103,11 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         assert all(p.endswith("torch=False") for p in processes.values()), processes
         # Ray's dashboard stays off unless asked for (--ray-dashboard): its module processes
         # (ray-dashboard-ReportHead-0, ...) woke on timers on the forward's cores.
-        below = [title(pid) for pid in descendants(proc.pid)]
-        assert any(t.startswith("ray::ProxyActor") for t in below), below
-        assert not [t for t in below if t.startswith("ray-dashboard-")], below
-        # Serve as the cluster raypd starts runs it (serve/launch.py): gRPC to the replicas, ...
-        (proxy,) = [pid for pid in descendants(proc.pid) if title(pid).startswith("ray::ProxyActor")]
+        below = {pid: title(pid) for pid in descendants(proc.pid)}
+        assert any(t.startswith("ray::ProxyActor") for t in below.values()), below
+        assert not [t for t in below.values() if t.startswith("ray-dashboard-")], below
+        # Serve runs as in every cluster raypd starts (serve/launch.py, QUIET_LOCAL_CLUSTER).
+        (proxy,) = [pid for pid, t in below.items() if t.startswith("ray::ProxyActor")]
         environ = set(Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0"))
         assert {f"{k}={v}".encode() for k, v in QUIET_LOCAL_CLUSTER.items()} <= environ
     except BaseException:
