@@ -3,6 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
+# pytest through the suites' runner, which leaves by os._exit once pytest has reported
+# (tests/__main__.py, docs/testing.md).
+PYTEST := $(PY) -m tests
 # Independent prerequisites run side by side: on a fresh clone `make test` builds the kernels
 # while it lints (each ~1 min, mostly one core).
 MAKEFLAGS += --jobs=2
@@ -33,17 +36,17 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: setup lint
-	$(PY) -m tests -q -m "not cluster and not multinode and not faults and not scaling" tests
+	$(PYTEST) -q -m "not cluster and not multinode and not faults and not scaling" tests
 
 # The HTTP fault suite (not part of `make test`: 1.5-2.5 min): engines killed mid-stream and in
 # flight, 100 clients dropping, overload at 3x; RAYPD_FAULT_REPORT=FILE collects a line per case.
 test-faults: setup
-	$(PY) -m tests -q -m faults tests
+	$(PYTEST) -q -m faults tests
 
 # The scaling suite (not part of `make test`): 2P2D with two ingress replicas, a decode engine
 # drained mid-stream and a replica killed; a load ramp the autoscaler follows; `serve run`.
 test-scaling: setup
-	$(PY) -m tests -q -m scaling tests/scaling
+	$(PYTEST) -q -m scaling tests/scaling
 
 # Mixed traffic with engine kills, worker faults and 10% failed KV loads for 10 minutes (not
 # part of `make test`): requests ok / failed with a clear error / lost, leaked blocks, worker RSS.
@@ -53,18 +56,18 @@ soak: setup
 # `ray start` clusters on 127.0.0.1 with their own temp dirs and ports; `ray job submit` deploys
 # the service and load-tests it (3.3 to 7.3 min measured on a busy 2-core machine).
 test-cluster: setup
-	$(PY) -m tests -q -m cluster tests
+	$(PYTEST) -q -m cluster tests
 
 # Ray nodes in network namespaces (needs root): PD across them, a 500-request load run whose
 # report lands in bench/results/multinode.{json,png} (4.7 to 7.1 min measured on a busy 2-core machine).
 test-multinode: setup
-	MULTINODE_REPORT=bench/results/multinode $(PY) -m tests -q -m multinode tests
+	MULTINODE_REPORT=bench/results/multinode $(PYTEST) -q -m multinode tests
 
 # The randomized content-tracking suite's long run: up to 120 more seeds per workload shape
 # (3960 cases, ~5 min on a busy 2-core machine); SIM_LONG_SEEDS=N runs the first N of them.
 SIM_LONG_SEEDS ?= 120
 test-sim-long: setup
-	RAYPD_SIM_LONG_SEEDS=$(SIM_LONG_SEEDS) $(PY) -m tests -q -m sim_long tests/sim
+	RAYPD_SIM_LONG_SEEDS=$(SIM_LONG_SEEDS) $(PYTEST) -q -m sim_long tests/sim
 
 model: setup
 	$(PY) -m training.train_tiny --out models/tiny-hybrid
@@ -130,7 +133,7 @@ bench-peers-pd: setup $(VLLM_VENV)/.nixl
 # On a machine with a CUDA GPU (CI never needs one): the PD equality and fault tests with the
 # caches in VRAM registered with NIXL, then the benches on the device.
 gpu-check: setup
-	RAYPD_TEST_DEVICE=cuda $(PY) -m tests -q tests/pd
+	RAYPD_TEST_DEVICE=cuda $(PYTEST) -q tests/pd
 	$(PY) -m bench.kv_transfer --device cuda --json-out bench/results/kv_transfer_cuda.json
 	$(PY) -m bench.scheduler --device cuda --json-out bench/results/scheduler_cuda.json
 

@@ -21,8 +21,8 @@ import pytest
 
 
 def main(argv: list[str]) -> int:
-    """Run pytest, flush what it wrote, run the atexit callbacks (logging, temp directories)
-    and return its exit code; `os._exit` is the caller's to do."""
+    """Run pytest, run the atexit callbacks (logging, temp directories), flush what was
+    written and return pytest's exit code; `os._exit` is the caller's to do."""
     code = int(pytest.main(argv))
     atexit._run_exitfuncs()
     sys.stdout.flush()
