@@ -118,5 +118,10 @@ def make_engine(
     model_cfg = load_config(cfg.model)
     _, eos = load_generation_config(cfg.model, model_cfg)
     return EngineCore(
-        make_scheduler(cfg, model_cfg, layout, disagg), executors, cfg.async_scheduling, eos, cfg.max_waiting
+        make_scheduler(cfg, model_cfg, layout, disagg),
+        executors,
+        cfg.async_scheduling,
+        eos,
+        cfg.max_waiting,
+        prefill_hold_s=cfg.prefill_hold_ms / 1000,
     )

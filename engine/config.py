@@ -88,6 +88,12 @@ class Config:
         lo=1,
     )
     async_scheduling: bool = _f(True, "schedule step N+1 while step N runs")
+    prefill_hold_ms: int = _f(
+        100,
+        "async scheduling: plan no step behind one whose prompt tokens are expected to take this long, "
+        "so requests arriving meanwhile join the next step (docs/design.md §3)",
+        lo=0,
+    )
     enable_prefix_caching: bool = _f(
         True,
         "reuse the KV blocks of shared prompt prefixes; a hybrid model's hit also needs a state "

@@ -1,7 +1,9 @@
 """The engine loop: schedule a step, hand it to every worker, apply the result.
 
 With async scheduling two steps are in flight: step N+1 is scheduled and submitted while
-step N runs, so the workers never wait for the scheduler. The loop is asyncio so that one
+step N runs, so the workers never wait for the scheduler, except behind a long prompt step
+(`prefill_hold_s`): requests that arrive while it runs join the step after it, not one later.
+The loop is asyncio so that one
 Ray actor can run it and still take requests and aborts; workers are reached through
 `StepExecutor`s (an in-process `Worker`, or a Ray worker actor), so the same code runs in
 one process for tests.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -45,6 +48,11 @@ _STALL_RECHECK_S = 0.05
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
 
 
+def prompt_tokens(out: SchedulerOutput) -> int:
+    """The tokens a step computes beyond one per request: its prompt chunks."""
+    return sum(n - 1 for n in out.num_scheduled_tokens.values() if n > 1)
+
+
 class EngineCore:
     def __init__(
         self,
@@ -53,7 +61,11 @@ class EngineCore:
         async_scheduling: bool,
         eos_token_id: int | None,
         max_waiting: int = 1 << 30,
+        prefill_hold_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`prefill_hold_s`: plan no step behind one whose prompt tokens are expected to take this
+        long or longer (None: always plan ahead); `clock` times the steps for that estimate."""
         if not executors:
             raise ValueError("an engine needs at least one worker")
         if scheduler.pd is not None and scheduler.pd.config.tp_size != len(executors):
@@ -65,11 +77,17 @@ class EngineCore:
         self.depth = 2 if async_scheduling else 1
         self.eos_token_id = eos_token_id
         self.max_waiting = max_waiting
+        self.prefill_hold_s = prefill_hold_s
+        self._clock = clock
+        # Seconds per prompt token of the last step that computed some; None until one has.
+        self._s_per_prompt_token: float | None = None
+        self._last_done = clock()
         self._outputs: list[OutputBatch] = []
         self._has_outputs = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[list[ModelRunnerOutput]]]] = deque()
+        # Each step in flight with the time it was dispatched.
+        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[list[ModelRunnerOutput]], float]] = deque()
         self._failure: BaseException | None = None
         self.num_steps = 0
         self.phases = RequestPhases()
@@ -225,17 +243,19 @@ class EngineCore:
         flight = self._in_flight
         while True:
             self._wake.clear()
-            if len(flight) < self.depth and self.scheduler.has_work():
+            if len(flight) < self.depth and self.scheduler.has_work() and not self._hold():
                 out = self.scheduler.schedule()
                 if ended := self.scheduler.take_outputs():
                     self._publish(OutputBatch(others=ended))
                 if out is not None:
                     self.phases.scheduled(out.num_scheduled_tokens)
-                    flight.append((out, asyncio.gather(*(ex(out) for ex in self.executors))))
+                    fut = asyncio.gather(*(ex(out) for ex in self.executors))
+                    flight.append((out, fut, self._clock()))
                     continue
             if flight:
-                out, fut = flight[0]
+                out, fut, dispatched = flight[0]
                 results = await fut
+                self._timed(out, dispatched)
                 # Popped only once applied: until then `wait_idle` must see the step in flight.
                 flight.popleft()
                 self.num_steps += 1
@@ -250,6 +270,31 @@ class EngineCore:
             # transfer) must still be looked at again without a wake-up.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), _STALL_RECHECK_S)
+
+    def _hold(self) -> bool:
+        """Whether to wait for the step in flight before planning the next one.
+
+        Planning ahead saves the workers one round trip to the engine a step, but a step planned
+        behind a long one is fixed before that one ends: requests that arrive meanwhile wait a
+        whole step more. Behind a prompt step expected to take `prefill_hold_s` or longer (with
+        no estimate yet, any prompt step) the round trip is the smaller cost, so the engine waits.
+        """
+        if not self._in_flight or self.prefill_hold_s is None:
+            return False
+        n = prompt_tokens(self._in_flight[-1][0])
+        if not n:
+            return False
+        per = self._s_per_prompt_token
+        return per is None or n * per >= self.prefill_hold_s
+
+    def _timed(self, out: SchedulerOutput, dispatched: float) -> None:
+        """Learn the time per prompt token from a step that ended: it ran from its dispatch, or
+        from the end of the step before it if it was queued behind that one."""
+        done = self._clock()
+        started = max(dispatched, self._last_done)
+        self._last_done = done
+        if n := prompt_tokens(out):
+            self._s_per_prompt_token = (done - started) / n
 
     def _fail_all(self, why: str) -> None:
         failed = []
