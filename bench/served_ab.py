@@ -8,6 +8,7 @@ the machine falls on both. Prints output tokens/s and TPOT per stream count and 
 ratio, and one JSON line at the end.
 
     python -m bench.served_ab --a /tmp/old-checkout --b . --model hybrid
+    python -m bench.served_ab --a /tmp/old-checkout --b . --model-dir /tmp/raypd/real-ckpt/dense --threads 2
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--a", type=Path, required=True, help="the baseline checkout")
     parser.add_argument("--b", type=Path, required=True, help="the checkout to compare with it")
     parser.add_argument("--model", choices=sorted(BUILDERS), default="hybrid")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="serve this checkpoint instead of --model (e.g. one bench.peers_real made, for real sizes)",
+    )
     parser.add_argument("--streams", default="1,8,32", help="stream counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per stream count")
     parser.add_argument("--requests-per-stream", type=int, default=4)
@@ -44,6 +50,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.streams = [int(s) for s in args.streams.split(",")]
     except ValueError:
         parser.error(f"--streams {args.streams!r} is not a comma-separated list of integers")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir} holds no checkpoint (no config.json)")
     for side in (args.a, args.b):
         if not (side / "serve" / "__main__.py").is_file():
             parser.error(f"{side} is not a raypd checkout (no serve/__main__.py)")
@@ -58,8 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     with ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        model = work / args.model
-        make(args.model, model)
+        if args.model_dir is not None:
+            model, args.model = args.model_dir.resolve(), args.model_dir.resolve().name
+        else:
+            model = work / args.model
+            make(args.model, model)
         urls = {}
         for side in ("a", "b"):
             port = free_port()
