@@ -27,6 +27,13 @@ pytestmark = pytest.mark.scaling
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = Path(sys.executable).parent / "serve"
 START_LIMIT_S = 300.0
+# `serve run` learns of Ctrl-C through Python's default SIGINT handler, which Python does not
+# install in a process started with SIGINT ignored, as everything under a background job of a
+# non-interactive shell is (`make test-scaling &`): there the test's Ctrl-C did nothing, and the
+# cluster outlived the test. The command is run through this, which puts the default back.
+_SIGINT_RESTORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def _config(tmp_path: Path, port: int, **args: object) -> Path:
@@ -51,7 +58,7 @@ def _serve_run(target: str, ray_tmp: str, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(
-        [str(SERVE), "run", target, *args],
+        [sys.executable, "-c", _SIGINT_RESTORED, str(SERVE), "run", target, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
