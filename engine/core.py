@@ -3,10 +3,10 @@
 With async scheduling two steps are in flight: step N+1 is scheduled and submitted while
 step N runs, so the workers never wait for the scheduler, except behind a long prompt step
 (`prefill_hold_s`): requests that arrive while it runs join the step after it, not one later.
-The loop is asyncio so that one
-Ray actor can run it and still take requests and aborts; workers are reached through
-`StepExecutor`s (an in-process `Worker`, or a Ray worker actor), so the same code runs in
-one process for tests.
+
+The loop is asyncio so that one Ray actor can run it and still take requests and aborts;
+workers are reached through `StepExecutor`s (an in-process `Worker`, or a Ray worker actor),
+so the same code runs in one process for tests.
 """
 
 from __future__ import annotations
