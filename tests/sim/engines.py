@@ -119,5 +119,12 @@ def build_engine(
     scheduler = Scheduler(cfg, kv, StopChecker(None, MAX_MODEL_LEN), disagg)
     if scheduler.pd is not None:
         scheduler.pd.connector.clock = asyncio.get_running_loop().time  # leases in virtual seconds
-    core = EngineCore(scheduler, [w.executor() for w in workers], shape.async_scheduling, eos_token_id=EOS)
+    core = EngineCore(
+        scheduler,
+        [w.executor() for w in workers],
+        shape.async_scheduling,
+        eos_token_id=EOS,
+        prefill_hold_s=shape.prefill_hold_s,
+        clock=asyncio.get_running_loop().time,
+    )
     return SimEngine(name, core, workers, EngineClient(EngineCalls.local(core)))

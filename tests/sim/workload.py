@@ -47,6 +47,8 @@ class Shape:
     prefix_caching: bool = False
     checkpoint_interval: int = 1  # blocks between a hybrid's state checkpoints (docs/design.md §21)
     async_scheduling: bool = True
+    # EngineCore's prefill_hold_s (docs/design.md §3): 0.0 waits behind every prompt step
+    prefill_hold_s: float | None = None
     prefill_blocks: int = 64
     decode_blocks: int = 64
     max_num_seqs: int = 8
@@ -198,6 +200,41 @@ SHAPES: dict[str, Shape] = {
             arrival_gap_s=0.0005,
         ),
         Shape("hybrid_pd_fail_recompute", "hybrid", fail_fraction=0.2, decode_blocks=20, num_requests=20),
+        Shape(
+            "hybrid_pd_tight_hold_fail_aborts",
+            "hybrid",
+            prefill_hold_s=0.0,
+            fail_fraction=0.2,
+            abort_fraction=0.3,
+            decode_blocks=14,
+            prefill_blocks=20,
+            num_requests=24,
+            arrival_gap_s=0.0005,
+        ),
+        Shape(
+            "dense_pd_prefix_hold_fail_aborts",
+            "dense",
+            prefill_hold_s=0.0,
+            prefix_caching=True,
+            fail_fraction=0.2,
+            abort_fraction=0.3,
+            decode_blocks=16,
+            prefill_blocks=20,
+            shared_prefixes=3,
+            duplicate_fraction=0.3,
+            num_requests=24,
+            arrival_gap_s=0.0005,
+        ),
+        Shape(
+            "hybrid_colocated_tight_hold_aborts",
+            "hybrid",
+            pd=False,
+            prefill_hold_s=0.0,
+            abort_fraction=0.3,
+            decode_blocks=14,
+            num_requests=24,
+            arrival_gap_s=0.0005,
+        ),
         Shape(
             "dense_pd_prefix_fail_recompute",
             "dense",
