@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from actors.process import bind_thread, check_cpus
+from kernels.cpu.ops import pin_team
 
 T = TypeVar("T")
 
@@ -33,7 +34,8 @@ class ComputeStream:
     """
 
     def __init__(self, device: torch.device | str = "cpu", delay_s: float = 0.0, cpus: tuple[int, ...] = ()) -> None:
-        """`cpus`: bind the stream's thread, and torch's threads it starts, to these CPUs."""
+        """`cpus`: bind the stream's thread, and torch's threads it starts, to these CPUs; on a
+        CPU device with one thread a CPU, each thread to its own (`kernels.cpu.ops.pin_team`)."""
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.device = torch.device(device)
@@ -52,7 +54,7 @@ class ComputeStream:
             max_workers=1,
             thread_name_prefix="compute-stream",
             initializer=_start_thread,
-            initargs=(torch.get_num_threads(), cpus),
+            initargs=(torch.get_num_threads(), cpus, self.device.type == "cpu"),
         )
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -75,7 +77,9 @@ class ComputeStream:
         return result
 
 
-def _start_thread(num_threads: int, cpus: tuple[int, ...]) -> None:
+def _start_thread(num_threads: int, cpus: tuple[int, ...], pin: bool) -> None:
     if cpus:
         bind_thread(cpus)  # before torch starts its OpenMP threads, which inherit the binding
     torch.set_num_threads(num_threads)
+    if cpus and pin:
+        pin_team(cpus)

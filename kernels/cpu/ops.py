@@ -340,6 +340,15 @@ def qk_norm_rope(
     return kernels.qk_norm_rope(x, weight, cos, sin, eps)
 
 
+def pin_team(cpus: Sequence[int]) -> tuple[int, ...]:
+    """Bind the calling thread's OpenMP team one thread a CPU: thread i to `cpus[i]`, the
+    caller being thread 0 (docs/design.md §13). Returns the CPUs bound, by thread; empty where
+    they were not (no kernels, a team of another size than `cpus`, not Linux), the team then
+    keeping the binding it had."""
+    kernels = load()
+    return () if kernels is None else tuple(kernels.pin_team(list(cpus)))
+
+
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, vector_bits: int = 0
 ) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """`--worker-cpus` and the per-role `--prefill-worker-cpus` / `--decode-worker-cpus`: a list is
 parsed and shared out among TP ranks, a bad one is a config error naming it, the compute
-stream's thread runs on its CPUs, and a process keeping off them runs on the rest."""
+stream's thread runs on its CPUs (one thread a CPU where its team has as many threads as it
+has CPUs), and a process keeping off them runs on the rest."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +88,38 @@ def test_the_compute_stream_thread_runs_on_its_cpus_and_its_creator_does_not():
     finally:
         stream.close()
     assert sorted(os.sched_getaffinity(0)) == CPUS
+
+
+def _stream_affinities(threads: int, cpus: tuple[int, ...]) -> tuple[list[int], list[list[int]]]:
+    """In a fresh interpreter computing with `threads` torch threads: the CPUs a compute stream
+    bound to `cpus` runs its jobs on, and those of every thread of the process once a job ran
+    a parallel op (the stream's OpenMP team then exists)."""
+    code = (
+        "import json, os, torch\n"
+        "from worker.compute_stream import ComputeStream\n"
+        f"torch.set_num_threads({threads})\n"
+        f"stream = ComputeStream('cpu', cpus={cpus!r})\n"
+        "own = stream.submit(os.sched_getaffinity, 0).result()\n"
+        "stream.submit(lambda: torch.ones(1 << 22).add_(1)).result()\n"
+        "tids = os.listdir('/proc/self/task')\n"
+        "print(json.dumps([sorted(own), sorted(sorted(os.sched_getaffinity(int(t))) for t in tids)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    own, every = json.loads(out.splitlines()[-1])
+    return own, every
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="one thread a CPU needs two CPUs")
+def test_a_team_of_one_thread_a_cpu_runs_each_thread_on_its_own():
+    own, every = _stream_affinities(2, (CPUS[0], CPUS[1]))
+    assert own == [CPUS[0]]  # the stream's thread is its team's thread 0
+    assert [CPUS[1]] in every  # and torch's other thread has the second CPU to itself
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="a set of CPUs needs two")
+def test_a_team_smaller_than_its_cpus_keeps_the_whole_set():
+    own, _ = _stream_affinities(1, (CPUS[0], CPUS[1]))
+    assert own == [CPUS[0], CPUS[1]]
 
 
 def test_cpus_the_node_lacks_are_refused_before_any_thread_starts():

@@ -8,6 +8,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1063,6 +1067,32 @@ class DecodeStack {
   std::vector<Block> blocks_;
   size_t num_attention_ = 0, num_mamba_ = 0;
 };
+
+// Binds thread i of the calling thread's OpenMP team (the threads torch and oneDNN compute on
+// for it) to cpus[i], one thread a CPU; the caller is thread 0. Returns the CPU each thread was
+// bound to, by thread number, or an empty list where not every thread was (not Linux, a team
+// of another size than the list, a failed call). A team bound only as a whole to a set of CPUs
+// lets the kernel move one of its threads onto the other's core when a service process wakes
+// there; the two then share a core until the next balancing, and every op's barrier waits.
+std::vector<int64_t> pin_team(const std::vector<int64_t>& cpus) {
+  std::vector<int64_t> bound;
+#ifdef __linux__
+  const int64_t threads = at::get_num_threads();
+  if (threads != static_cast<int64_t>(cpus.size())) return bound;
+  std::vector<int64_t> got(threads, -1);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t self = at::get_thread_num();
+    if (end - begin != 1 || self != begin) return;  // not one item a thread: reported unbound
+    if (cpus[self] < 0 || cpus[self] >= CPU_SETSIZE) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[self]), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) == 0) got[self] = cpus[self];
+  });
+  if (std::find(got.begin(), got.end(), -1) == got.end()) bound = got;
+#endif
+  return bound;
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1078,6 +1108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rms_norm", &gated_rms_norm, released);
   m.def("panel_linear", &panel_linear, released);
   m.def("panel_vector_bits", &panel_vector_bits);
+  m.def("pin_team", &pin_team);
   pybind11::class_<Projection>(m, "Projection")
       .def(pybind11::init<c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, int64_t>());
   pybind11::class_<MambaShape>(m, "MambaShape")
