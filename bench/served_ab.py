@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     with ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
         if args.model_dir is not None:
             model, args.model = args.model_dir.resolve(), args.model_dir.resolve().name
         else:
