@@ -1072,8 +1072,8 @@ class DecodeStack {
 // for it) to cpus[i], one thread a CPU; the caller is thread 0. Returns the CPU each thread was
 // bound to, by thread number, or an empty list where not every thread was (not Linux, a team
 // of another size than the list, a failed call). A team bound only as a whole to a set of CPUs
-// lets the kernel move one of its threads onto the other's core when a service process wakes
-// there; the two then share a core until the next balancing, and every op's barrier waits.
+// may have one thread moved onto another's core when a service process wakes on its own; the
+// two then share a core until the next balancing, and every op's barrier waits for them.
 std::vector<int64_t> pin_team(const std::vector<int64_t>& cpus) {
   std::vector<int64_t> bound;
 #ifdef __linux__
