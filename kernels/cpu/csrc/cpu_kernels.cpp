@@ -1073,7 +1073,7 @@ class DecodeStack {
 // bound to, by thread number, or an empty list where not every thread was (not Linux, a team
 // of another size than the list, a failed call). A team bound only as a whole to a set of CPUs
 // may have one thread moved onto another's core when a service process wakes on its own; the
-// two then share a core until the next balancing, and every op's barrier waits for them.
+// two then share a core, and every op's barrier waits for them (docs/design.md §13).
 std::vector<int64_t> pin_team(const std::vector<int64_t>& cpus) {
   std::vector<int64_t> bound;
 #ifdef __linux__
