@@ -58,6 +58,7 @@ def paged_attention(
             batch.token_local,
             batch.max_query_len,
             scale,
+            fresh=not any(batch.num_computed),
         )
     out = torch.empty_like(q)
     multi = [r for r, n in enumerate(lens) if n > 1]
@@ -93,6 +94,7 @@ def paged_attention(
         batch.token_local[rows],
         max(lens),
         scale,
+        fresh=not any(batch.num_computed[r] for r in multi),
     )
     return out
 
@@ -166,13 +168,20 @@ def _attend_chunks(
     token_local: torch.Tensor,
     max_query_len: int,
     scale: float,
+    fresh: bool = False,
 ) -> torch.Tensor:
     """Chunks of several queries, padded to the longest. q: [N, H, D]. Returns [N, H, D].
 
     SDPA with a boolean causal mask, as on decode steps: masked slots get probability 0 and
     their values still enter the product. It tiles the product instead of building the
     [R, H, Q, S] scores and probabilities (two einsums, a mask and a softmax were 4x slower on
-    a prefill of 16 prompts)."""
+    a prefill of 16 prompts).
+
+    `fresh`: every chunk starts at position 0 (nothing of its request was cached before), so
+    query i sees keys 0..i, which is SDPA's own causal pattern (`is_causal`, aligned to the top
+    left): no mask is built, and SDPA skips the key tiles past each query tile instead of
+    computing them and masking them out. On a CPU the output is bit for bit the masked one,
+    and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13)."""
     heads, head_dim = q.shape[1:]
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)
@@ -181,19 +190,25 @@ def _attend_chunks(
     # already; padding them was four copies and index writes of [N, H, D] per layer.
     alone = reqs == 1 and q.shape[0] == max_query_len
     if alone:
-        qp, qpos = q[None], positions[None]
+        qp = q[None]
     else:
         qp = q.new_zeros((reqs, max_query_len, heads, head_dim))
         qp[token_req, token_local] = q
-        qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
-        qpos[token_req, token_local] = positions
-    causal = torch.arange(keys.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None]  # [R, Q, S]
+    mask = None
+    if not fresh:
+        if alone:
+            qpos = positions[None]
+        else:
+            qpos = torch.zeros((reqs, max_query_len), dtype=torch.long, device=q.device)
+            qpos[token_req, token_local] = positions
+        mask = (torch.arange(keys.shape[1], device=q.device)[None, None, :] <= qpos[:, :, None])[:, None]
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2),
         _as(keys, q.dtype).transpose(1, 2),
         _as(values, q.dtype).transpose(1, 2),
-        attn_mask=causal[:, None],
+        attn_mask=mask,
         scale=scale,
+        is_causal=fresh,
         enable_gqa=True,
     )
     return out.transpose(1, 2)[0] if alone else out.transpose(1, 2)[token_req, token_local]

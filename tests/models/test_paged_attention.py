@@ -1,15 +1,18 @@
-"""Decode attention over paged K/V: it equals attention over each request's own tokens, a NaN in
-an unused slot of a block the request owns reaches the output (what makes zero-on-allocate
-necessary), and pages a request does not own never do."""
+"""Attention over paged K/V: decode tokens and prefill chunks (fresh or after cached tokens) equal
+attention over each request's own tokens, a NaN in an unused slot of a block the request owns
+reaches the output (what makes zero-on-allocate necessary), and pages a request does not own
+never do."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.nn import functional as F
 
 from kv.cache_group import CacheGroup
+from models import attention
 from models.attention import paged_attention
 from models.batch import SeqChunk, build_forward_batch
 
@@ -57,3 +60,58 @@ def test_a_nan_in_an_owned_unused_slot_reaches_the_output_and_other_pages_do_not
     _, out = _decode([5, 1], [[3, 7], [9]], k_cache, v_cache)
     assert out[0].isnan().all()
     assert math.isfinite(out[1].sum().item())
+
+
+def _chunks(spans: list[tuple[int, int]], blocks: list[list[int]], k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """A step of one chunk per request, (tokens already cached, tokens now) each: the queries
+    and the attention output, the new K/V written into the pages first."""
+    chunks = [SeqChunk([1] * n, done, [ids]) for (done, n), ids in zip(spans, blocks)]
+    batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
+    tokens = sum(n for _, n in spans)
+    q = torch.randn(tokens, HEADS, DIM)
+    k, v = torch.randn(tokens, KV_HEADS, DIM), torch.randn(tokens, KV_HEADS, DIM)
+    return q, paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], DIM**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("spans", "blocks"),
+    [
+        ([(0, 7)], [[3, 7]]),  # a fresh prompt alone: SDPA's own causal pattern
+        ([(0, 7), (0, 3), (0, 10)], [[3, 7], [9], [2, 12, 4]]),  # fresh prompts of three lengths
+        ([(0, 7), (5, 4)], [[3, 7], [9, 12, 1]]),  # one resumes after 5 cached tokens: the mask
+        ([(6, 1), (0, 9)], [[3, 7], [9, 12, 1]]),  # a decode token beside a fresh prompt
+        ([(6, 1), (2, 9)], [[3, 7], [9, 12, 1]]),  # ... beside a chunk with a cached start
+    ],
+)
+def test_chunks_equal_causal_attention_over_each_requests_own_tokens(spans, blocks):
+    """Query j of a chunk that starts after `done` cached tokens sees that request's tokens
+    0..done + j, whether or not earlier chunks were cached: a prompt read as fresh when it is not
+    would see only tokens 0..j."""
+    k_cache, v_cache = _pages()
+    q, out = _chunks(spans, blocks, k_cache, v_cache)
+    start = 0
+    for (done, n), ids in zip(spans, blocks):
+        keys, values = _own_tokens(k_cache, ids, done + n), _own_tokens(v_cache, ids, done + n)
+        visible = torch.arange(done + n)[None, :] <= torch.arange(done, done + n)[:, None]
+        want = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1), keys, values, attn_mask=visible, scale=DIM**-0.5, enable_gqa=True
+        )
+        torch.testing.assert_close(out[start : start + n], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_fresh_prompts_take_the_causal_pattern_bit_for_bit():
+    """A step of fresh prompts runs SDPA's causal pattern instead of a mask (`fresh`), and gets
+    exactly the masked path's output: a prompt answers the same whether or not it was cached."""
+    spans, blocks = [(0, 7), (0, 3), (0, 10)], [[3, 7], [9], [2, 12, 4]]
+    k_cache, v_cache = _pages()
+    torch.manual_seed(1)
+    q, fresh = _chunks(spans, blocks, k_cache, v_cache)
+    chunks = [SeqChunk([1] * n, done, [ids]) for (done, n), ids in zip(spans, blocks)]
+    batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
+    meta = batch.attn[0]
+    args = (q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, batch.token_req)
+    rest = (batch.token_local, batch.max_query_len, DIM**-0.5)
+    masked = attention._attend_chunks(*args, *rest, fresh=False)
+    assert torch.equal(attention._attend_chunks(*args, *rest, fresh=True), masked)
+    assert torch.equal(fresh, masked)
