@@ -1,4 +1,5 @@
-"""`bench.served_ab` refuses what it cannot compare before it starts anything."""
+"""`bench.served_ab` refuses what it cannot compare before it starts anything, and sends each
+round prompts that no earlier round sent."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.served_ab import _parse
+from bench.served_ab import _parse, round_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,3 +39,14 @@ def test_a_model_dir_with_a_checkpoint_parses(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     args = _parse(["--a", str(ROOT), "--b", str(ROOT), "--model-dir", str(tmp_path)])
     assert args.model_dir == tmp_path
+
+
+def test_each_round_sends_prompts_no_earlier_round_sent():
+    """Both servers stay up across rounds: a prompt sent again would find its prefix cached
+    (a first block of 16 tokens in common is enough for a hit)."""
+    args = _parse(["--a", str(ROOT), "--b", str(ROOT), "--requests-per-stream", "3", "--prompt-len", "64"])
+    rounds = [round_prompts(r, 4, args) for r in range(args.rounds)]
+    assert all(len(prompts) == 12 and all(len(p) == 64 for p in prompts) for prompts in rounds)
+    assert round_prompts(1, 4, args) == rounds[1]
+    firsts = [tuple(p[:16]) for prompts in rounds for p in prompts]
+    assert len(set(firsts)) == len(firsts)
