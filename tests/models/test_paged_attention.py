@@ -63,14 +63,14 @@ def test_a_nan_in_an_owned_unused_slot_reaches_the_output_and_other_pages_do_not
 
 
 def _chunks(spans: list[tuple[int, int]], blocks: list[list[int]], k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """A step of one chunk per request, (tokens already cached, tokens now) each: the queries
-    and the attention output, the new K/V written into the pages first."""
+    """A step of one chunk per request, (tokens already cached, tokens now) each: the queries,
+    the attention output (the new K/V written into the pages first) and the step's batch."""
     chunks = [SeqChunk([1] * n, done, [ids]) for (done, n), ids in zip(spans, blocks)]
     batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
     tokens = sum(n for _, n in spans)
     q = torch.randn(tokens, HEADS, DIM)
     k, v = torch.randn(tokens, KV_HEADS, DIM), torch.randn(tokens, KV_HEADS, DIM)
-    return q, paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], DIM**-0.5)
+    return q, paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], DIM**-0.5), batch
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_chunks_equal_causal_attention_over_each_requests_own_tokens(spans, bloc
     0..done + j, whether or not earlier chunks were cached: a prompt read as fresh when it is not
     would see only tokens 0..j."""
     k_cache, v_cache = _pages()
-    q, out = _chunks(spans, blocks, k_cache, v_cache)
+    q, out, _ = _chunks(spans, blocks, k_cache, v_cache)
     start = 0
     for (done, n), ids in zip(spans, blocks):
         keys, values = _own_tokens(k_cache, ids, done + n), _own_tokens(v_cache, ids, done + n)
@@ -106,9 +106,7 @@ def test_fresh_prompts_take_the_causal_pattern_bit_for_bit():
     spans, blocks = [(0, 7), (0, 3), (0, 10)], [[3, 7], [9], [2, 12, 4]]
     k_cache, v_cache = _pages()
     torch.manual_seed(1)
-    q, fresh = _chunks(spans, blocks, k_cache, v_cache)
-    chunks = [SeqChunk([1] * n, done, [ids]) for (done, n), ids in zip(spans, blocks)]
-    batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
+    q, fresh, batch = _chunks(spans, blocks, k_cache, v_cache)
     meta = batch.attn[0]
     args = (q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, batch.token_req)
     rest = (batch.token_local, batch.max_query_len, DIM**-0.5)
