@@ -12,7 +12,6 @@ the kernels off, another dtype, attention layers in more than one cache group.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -155,12 +154,8 @@ def _build(
     return _Fused(stack, tuple(attention), tuple(mamba), rotary)
 
 
-# Each model's stack and the kernel choice it was built under: a choice installed later (a
-# test's `cpu_kernels.using`) builds it again. Kept beside the module, not on it: a C++
-# stack cannot be deep-copied with it.
-_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[cpu_kernels.KernelChoice, _Fused | None]] = (
-    weakref.WeakKeyDictionary()
-)
+# Each model's stack, built again under a later kernel choice.
+_STACKS: cpu_kernels.PerChoice[nn.Module, _Fused | None] = cpu_kernels.PerChoice(build)
 
 
 def decode(
@@ -170,11 +165,7 @@ def decode(
     or None where the step is not one the stack runs (the caller then runs the layers)."""
     if batch.max_query_len != 1 or torch.is_grad_enabled() or h.dtype != torch.float32 or h.device.type != "cpu":
         return None
-    choice = cpu_kernels.installed()
-    built = _STACKS.get(model)
-    if built is None or built[0] is not choice:
-        built = _STACKS[model] = (choice, build(model))
-    fused = built[1]
+    fused = _STACKS.get(model)
     if fused is None:
         return None
     meta = batch.attn.get(fused.attention[0]) if fused.attention else None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models import expert_group
 from models.config import ModelConfig, MoESpec
 from models.layers import Linear
 from models.mlp import GatedMLP, Relu2MLP
@@ -78,7 +79,8 @@ class Router(nn.Module):
 def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for every token t, grouped by expert:
     the (token, k) pairs sorted by expert once, each picked expert run on its rows as one
-    batch, the weighted rows gathered back into (token, k) order and summed over k. The sum
+    batch (on a CPU with the kernels, the experts side by side: models/expert_group.py), the
+    weighted rows gathered back into (token, k) order and summed over k. The sum
     is in the weights' dtype. (A gather and a sum, not `index_add_`: on a busy CPU its
     threads made it the layer's slowest op.)"""
     num_tokens, top_k = ids.shape
@@ -86,12 +88,15 @@ def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(experts)).tolist()  # the one sync of the layer
     rows = x.index_select(0, order // top_k)
-    outs, start = [], 0
-    for expert, n in zip(experts, counts):
-        if n:
-            outs.append(expert(rows[start : start + n]))
-            start += n
-    y = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)
+    grouped = expert_group.forward(experts, rows, counts)
+    if grouped is None:
+        outs, start = [], 0
+        for expert, n in zip(experts, counts):
+            if n:
+                outs.append(expert(rows[start : start + n]))
+                start += n
+        grouped = torch.cat(outs)
+    y = grouped * weights.reshape(-1, 1).index_select(0, order)
     return y.index_select(0, torch.argsort(order)).view(num_tokens, top_k, -1).sum(dim=1)
 
 

@@ -21,12 +21,14 @@ import logging
 import platform
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Generic, TypeVar
 
 import torch
 
@@ -176,6 +178,27 @@ def installed() -> KernelChoice:
 @cache
 def _default() -> KernelChoice:
     return decide(True)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class PerChoice(Generic[K, V]):
+    """What `build` made of each key (a model, a layer's experts) under the installed choice,
+    made again where a later one was installed (a test's `using`). Kept beside the keys, weakly,
+    not on them: a C++ object cannot be deep-copied with its module."""
+
+    def __init__(self, build: Callable[[K], V]) -> None:
+        self._build = build
+        self._built: weakref.WeakKeyDictionary[K, tuple[KernelChoice, V]] = weakref.WeakKeyDictionary()
+
+    def get(self, key: K) -> V:
+        choice = installed()
+        built = self._built.get(key)
+        if built is None or built[0] is not choice:
+            built = self._built[key] = (choice, self._build(key))
+        return built[1]
 
 
 @contextmanager

@@ -1,11 +1,12 @@
 // CPU kernels (docs/design.md §13): paged decode attention that reads K/V pages where they lie,
 // Mamba2's convolution and recurrence over every request's tokens of a step, reading and
-// writing each state once, RMS norm in one pass, and a few rows' matmul against oneDNN's packed
-// weights.
+// writing each state once, RMS norm in one pass, a few rows' matmul against oneDNN's packed
+// weights, and a mixture's experts run side by side.
 // Built on first use by kernels/cpu/ops.py; every op checks its inputs and raises
 // (a Python exception), never reads out of bounds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #ifdef __linux__
@@ -899,6 +900,89 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
+// `p` on rows x as `Linear.forward` runs it: panel_linear on the panels up to `panel_rows` rows,
+// oneDNN's packed matmul above that and where there are no panels.
+torch::Tensor run(const Projection& p, torch::Tensor x, int64_t panel_rows, int64_t vector_bits) {
+  if (p.panels.has_value() && x.size(0) <= panel_rows) {
+    if (x.stride(1) != 1) x = x.contiguous();
+    return panel_linear(x, *p.panels, p.bias, p.out_features, vector_bits);
+  }
+  return onednn_linear(x, p.packed, p.bias);
+}
+
+// The routed experts of a mixture-of-experts layer (models/moe.py), each a SwiGLU or relu^2
+// MLP, run side by side: the threads take whole experts from a shared counter, largest share
+// of rows first, and each expert's matmuls run on the one thread that took it (a call inside
+// the parallel region: oneDNN, panel_linear and ATen's ops then run on the calling thread).
+// Run one after another, as the layer's Python loop did, every expert's two matmuls were
+// split across the threads: at a prefill's ~16 rows an expert, 96 calls a layer each paid a
+// fork and a barrier and split a 256-wide output in two, and a real-size MoE layer took 7 ms
+// where side by side it takes 4 (docs/design.md §20). Each expert's arithmetic is the one its
+// Python forward does; only oneDNN's split of a matmul across threads differs, so outputs
+// agree to rounding (bit for bit where panel_linear runs).
+class ExpertGroup {
+ public:
+  ExpertGroup(bool gated, int64_t panel_rows, int64_t vector_bits)
+      : gated_(gated), panel_rows_(panel_rows), vector_bits_(vector_bits) {}
+
+  void add(Projection first, Projection second) {
+    TORCH_CHECK(!gated_ || first.out_features % 2 == 0, "a SwiGLU expert's first projection stacks gate and up");
+    TORCH_CHECK(experts_.empty() || second.out_features == experts_.front().second.out_features,
+                "every expert has the same output width");
+    experts_.push_back({std::move(first), std::move(second)});
+  }
+
+  // rows [R, in] grouped by expert: counts[e] rows of expert e, in expert order. Returns each
+  // row's expert output [R, out], in the same order.
+  torch::Tensor forward(const torch::Tensor& rows, const std::vector<int64_t>& counts) const {
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat && rows.device().is_cpu(),
+                "rows must be CPU float32 [rows, features]");
+    TORCH_CHECK(counts.size() == experts_.size(), "one count an expert: ", counts.size(), " for ",
+                experts_.size());
+    std::vector<int64_t> start(counts.size() + 1, 0);
+    for (size_t e = 0; e < counts.size(); ++e) {
+      TORCH_CHECK(counts[e] >= 0, "a negative count");
+      start[e + 1] = start[e] + counts[e];
+    }
+    TORCH_CHECK(start.back() == rows.size(0), "the counts sum to ", start.back(), ", not the ", rows.size(0), " rows");
+    const int64_t width = experts_.empty() ? 0 : experts_.front().second.out_features;
+    auto out = torch::empty({rows.size(0), width}, rows.options());
+    std::vector<int64_t> order;
+    for (size_t e = 0; e < counts.size(); ++e)
+      if (counts[e] > 0) order.push_back(static_cast<int64_t>(e));
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
+    std::atomic<size_t> next{0};
+    // The team's threads dispatch ATen ops: they take the caller's inference mode and grad mode.
+    const at::ThreadLocalState caller;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      const at::ThreadLocalStateGuard as_caller(caller);
+      for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < order.size();
+           i = next.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t e = order[i];
+        const Expert& expert = experts_[e];
+        auto h = run(expert.first, rows.narrow(0, start[e], counts[e]), panel_rows_, vector_bits_);
+        if (gated_) {
+          const int64_t inter = h.size(1) / 2;
+          h = at::silu(h.narrow(1, 0, inter)).mul_(h.narrow(1, inter, inter));
+        } else {
+          h.relu_().square_();
+        }
+        out.narrow(0, start[e], counts[e]).copy_(run(expert.second, h, panel_rows_, vector_bits_));
+      }
+    });
+    return out;
+  }
+
+ private:
+  struct Expert {
+    Projection first, second;
+  };
+  bool gated_;
+  int64_t panel_rows_, vector_bits_;
+  std::vector<Expert> experts_;
+};
+
 // The shapes of a Mamba2 mixer's input projection and state, as models/mamba.py splits them.
 struct MambaShape {
   int64_t intermediate, conv_dim, heads, head_dim, groups, state;
@@ -1016,13 +1100,7 @@ class DecodeStack {
     MambaParams mamba{};
   };
 
-  torch::Tensor project(const Projection& p, torch::Tensor x) const {
-    if (p.panels.has_value() && x.size(0) <= panel_rows_) {
-      if (x.stride(1) != 1) x = x.contiguous();
-      return panel_linear(x, *p.panels, p.bias, p.out_features, vector_bits_);
-    }
-    return onednn_linear(x, p.packed, p.bias);
-  }
+  torch::Tensor project(const Projection& p, torch::Tensor x) const { return run(p, x, panel_rows_, vector_bits_); }
 
   torch::Tensor attend(const Block& b, const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache,
                        const torch::Tensor& write_blocks, const torch::Tensor& write_offsets,
@@ -1116,6 +1194,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<MambaParams>(m, "MambaParams")
       .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, double, double, int64_t>());
+  pybind11::class_<ExpertGroup>(m, "ExpertGroup")
+      .def(pybind11::init<bool, int64_t, int64_t>())
+      .def("add", &ExpertGroup::add)
+      .def("forward", &ExpertGroup::forward, released);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("add_attention", &DecodeStack::add_attention)
