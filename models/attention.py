@@ -157,6 +157,20 @@ def _attend_decode(
     return out.view(reqs, heads, head_dim)
 
 
+def _kernel_takes(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `cpu_kernels.prefill_attention` takes a fresh chunk's queries [T, H, D] and its
+    gathered keys: fp32 on a CPU with the kernels on, heads of a multiple of 64, each token's
+    heads contiguous."""
+    head_dim = q.shape[-1]
+    return (
+        head_dim % 64 == 0
+        and q.dtype == keys.dtype == torch.float32
+        and q.stride(-1) == 1
+        and q.stride(1) == head_dim
+        and cpu_kernels.usable(q, keys)
+    )
+
+
 def _attend_chunks(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -181,7 +195,10 @@ def _attend_chunks(
     query i sees keys 0..i, which is SDPA's own causal pattern (`is_causal`, aligned to the top
     left): no mask is built, and SDPA skips the key tiles past each query tile instead of
     computing them and masking them out. On a CPU the output is bit for bit the masked one,
-    and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13)."""
+    and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13). A
+    fresh prompt alone in its step, fp32 with heads of a multiple of 64, takes the C++ kernel
+    instead where the kernels run (`cpu_kernels.prefill_attention`: 2-3x SDPA with AVX-512);
+    its output equals SDPA's to rounding, not bit for bit."""
     heads, head_dim = q.shape[1:]
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)
@@ -189,6 +206,8 @@ def _attend_chunks(
     # One chunk (a prompt's prefill on its own): its queries, in order, are the padded batch
     # already; padding them was four copies and index writes of [N, H, D] per layer.
     alone = reqs == 1 and q.shape[0] == max_query_len
+    if fresh and alone and _kernel_takes(q, keys):
+        return cpu_kernels.prefill_attention(q, keys[0], values[0], scale, cpu_kernels.installed().vector_bits)
     if alone:
         qp = q[None]
     else:

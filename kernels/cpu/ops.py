@@ -387,6 +387,20 @@ def panel_linear(
     return kernels.panel_linear(rows, panels, bias, out_features, bits).view(*x.shape[:-1], out_features)
 
 
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vector_bits: int = 0
+) -> torch.Tensor:
+    """Causal attention of one chunk that starts at position 0 (fp32 CPU): query i of q [T, H,
+    D] (each token's heads contiguous, D a multiple of 64) sees keys and values 0..i of k, v [S,
+    KVH, D] (contiguous, S >= T: the request's pages gathered), and the last block of queries
+    also every slot past them, with weight 0, so that a NaN left in the request's last page
+    reaches its output (docs/design.md §13). `vector_bits` as for `panel_linear`. Returns a new
+    [T, H, D]."""
+    kernels = load()
+    assert kernels is not None, "prefill_attention called without usable() kernels"
+    return kernels.prefill_attention(q, k, v, scale, vector_bits or panel_vector_bits())
+
+
 @cache
 def panel_vector_bits() -> int:
     """The widest vectors `panel_linear` has on this CPU: 512 (AVX-512) or 256 bits."""

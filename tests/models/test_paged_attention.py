@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from kernels.cpu import ops as cpu_kernels
 from kv.cache_group import CacheGroup
 from models import attention
 from models.attention import paged_attention
@@ -20,10 +21,10 @@ BLOCK, KV_HEADS, HEADS, DIM, BLOCKS = 4, 2, 6, 8, 16
 GROUPS = (CacheGroup("attention", (0,)),)
 
 
-def _pages() -> tuple[torch.Tensor, torch.Tensor]:
+def _pages(dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views over head-major pages, as kv/cache_buffers.py lays them out."""
     torch.manual_seed(0)
-    kv = torch.randn(BLOCKS, 2, KV_HEADS, BLOCK, DIM)
+    kv = torch.randn(BLOCKS, 2, KV_HEADS, BLOCK, dim)
     return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
@@ -67,10 +68,10 @@ def _chunks(spans: list[tuple[int, int]], blocks: list[list[int]], k_cache: torc
     the attention output (the new K/V written into the pages first) and the step's batch."""
     chunks = [SeqChunk([1] * n, done, [ids]) for (done, n), ids in zip(spans, blocks)]
     batch = build_forward_batch(chunks, GROUPS, BLOCK, "cpu")
-    tokens = sum(n for _, n in spans)
-    q = torch.randn(tokens, HEADS, DIM)
-    k, v = torch.randn(tokens, KV_HEADS, DIM), torch.randn(tokens, KV_HEADS, DIM)
-    return q, paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], DIM**-0.5), batch
+    tokens, dim = sum(n for _, n in spans), k_cache.shape[-1]
+    q = torch.randn(tokens, HEADS, dim)
+    k, v = torch.randn(tokens, KV_HEADS, dim), torch.randn(tokens, KV_HEADS, dim)
+    return q, paged_attention(q, k, v, k_cache, v_cache, batch, batch.attn[0], dim**-0.5), batch
 
 
 @pytest.mark.parametrize(
@@ -113,3 +114,26 @@ def test_fresh_prompts_take_the_causal_pattern_bit_for_bit():
     masked = attention._attend_chunks(*args, *rest, fresh=False)
     assert torch.equal(attention._attend_chunks(*args, *rest, fresh=True), masked)
     assert torch.equal(fresh, masked)
+
+
+def test_a_fresh_prompt_alone_with_wide_heads_takes_the_kernel(monkeypatch):
+    """Heads of 64: a fresh prompt alone in its step runs `cpu_kernels.prefill_attention`, which
+    equals attention over the request's own tokens, and a NaN in the unused end of its last page
+    still reaches its last token; a prompt after cached tokens keeps SDPA and its mask."""
+    calls = []
+    kernel = cpu_kernels.prefill_attention
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
+    with cpu_kernels.using(cpu_kernels.decide(True)):
+        k_cache, v_cache = _pages(64)
+        q, out, _ = _chunks([(0, 7)], [[3, 7]], k_cache, v_cache)
+        assert calls == [1]
+        keys, values = _own_tokens(k_cache, [3, 7], 7), _own_tokens(v_cache, [3, 7], 7)
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, is_causal=True, scale=64**-0.5, enable_gqa=True
+        )
+        torch.testing.assert_close(out, want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        v_cache[7, 3] = float("nan")  # the prompt's second page, the slot past its 7 tokens
+        _, out, _ = _chunks([(0, 7)], [[3, 7]], k_cache, v_cache)
+        assert out[-1].isnan().any()
+        _chunks([(4, 3)], [[3, 7]], *_pages(64))
+        assert calls == [1, 1]

@@ -1,7 +1,7 @@
 """The kernels' machine code: every kernel is built for AVX2 and FMA only (`-mavx2 -mfma`, not
 `-march=native`), so one build runs on an AVX2-only CPU; AVX-512 instructions appear only in
-the panel functions built for them (`target("avx512f")`), which run where the CPU check says
-so. Read from the built library's disassembly: a flag or attribute that widened any other
+the panel and prefill attention functions built for them (`target("avx512f")`), which run
+where the CPU check says so. Read from the built library's disassembly: a flag or attribute that widened any other
 kernel would make the library fail on an AVX2 host with an illegal instruction, which no test
 on an AVX-512 host would otherwise see."""
 
@@ -36,7 +36,11 @@ _KERNELS = (
     "gated_rms_norm(",
     "panel_row_avx2(",
     "panel_slice_avx2<4>",
+    "prefill_attention_avx2(",
 )
+
+# The functions built for AVX-512, run only where the CPU has it.
+_WIDE = ("panel_group_avx512<", "prefill_attention_avx512(")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +62,11 @@ def instructions() -> dict[str, list[str]]:
     return code
 
 
-def test_avx512_only_in_the_panel_functions_built_for_it(instructions):
+def test_avx512_only_in_the_functions_built_for_it(instructions):
     wide = {name for name, lines in instructions.items() if any(_AVX512.search(line) for line in lines)}
-    assert wide, "no function uses AVX-512: the panel kernel's AVX-512 path is gone"
-    assert all("panel_group_avx512<" in name for name in wide), sorted(wide)
+    for built in _WIDE:
+        assert any(built in name for name in wide), f"no {built} uses AVX-512: its AVX-512 path is gone"
+    assert all(any(built in name for built in _WIDE) for name in wide), sorted(wide)
 
 
 @pytest.mark.parametrize("kernel", _KERNELS)

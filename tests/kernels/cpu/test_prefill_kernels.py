@@ -1,7 +1,9 @@
 """The kernels a real-size prefill leans on, at real widths: Qwen3's fused q/k norm and rotation
 against the torch ops it replaces (bit for bit, as the model's outputs must not move), with the
-model's torch path where the kernels are off; and the causal convolution over more channels
-than one of its tasks takes (a real Mamba2's 6144), split across tasks by channel."""
+model's torch path where the kernels are off; the causal convolution over more channels
+than one of its tasks takes (a real Mamba2's 6144), split across tasks by channel; and a fresh
+prompt's causal attention against SDPA's, at both vector widths, with the NaN property of
+docs/design.md §1 and the shapes it refuses."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from kernels.cpu import ops as cpu_kernels
 from models.config import ModelConfig
 from models.layers import Rotary
 from models.qwen3 import Qwen3Attention
+from tests.kernels.cpu.vector_widths import VECTOR_BITS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,3 +117,76 @@ def test_causal_conv_over_many_channels_matches_the_torch_convolution(fresh):
     others = torch.ones(blocks, dtype=torch.bool)
     others[3] = False
     assert torch.equal(cache[others], before[others])
+
+
+def _attention_inputs(tokens: int, slots: int, heads: int, kv_heads: int, dim: int):
+    """q as the model hands it over: a view into each token's qkv row (heads contiguous, rows
+    strided); k, v as gathered pages."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k, v = torch.randn(slots, kv_heads, dim, generator=gen), torch.randn(slots, kv_heads, dim, generator=gen)
+    return q, k, v
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA's top-left causal pattern over every slot: query i sees slots 0..i."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        is_causal=True,
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("vector_bits", VECTOR_BITS)
+@pytest.mark.parametrize(
+    ("tokens", "slots", "heads", "kv_heads", "dim"),
+    [
+        (1, 16, 16, 8, 128),  # one token, the rest of its page unused
+        (37, 48, 16, 8, 128),  # Qwen3-0.6B's heads, a partial query block and key block
+        (100, 112, 32, 8, 64),  # four query heads a KV head, heads of 64
+        (130, 144, 8, 8, 64),  # one query head a KV head
+        (300, 304, 16, 2, 128),  # eight a KV head, ten query blocks
+    ],
+)
+def test_prefill_attention_equals_causal_sdpa(vector_bits, tokens, slots, heads, kv_heads, dim):
+    q, k, v = _attention_inputs(tokens, slots, heads, kv_heads, dim)
+    got = cpu_kernels.prefill_attention(q, k, v, dim**-0.5, vector_bits)
+    torch.testing.assert_close(got, _causal_sdpa(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vector_bits", VECTOR_BITS)
+def test_prefill_attention_a_nan_past_the_prompt_reaches_the_last_block(vector_bits):
+    """A NaN value in a slot past the prompt (its last page's unused end) enters the last query
+    block's sums with weight 0, as through SDPA's tile over it: skipping zero-on-allocate stays
+    visible in the prompt's last token. A NaN key there is never scored (SDPA masks its score)."""
+    q, k, v = _attention_inputs(70, 80, 16, 8, 128)
+    v[75, 3] = float("nan")
+    out = cpu_kernels.prefill_attention(q, k, v, 128**-0.5, vector_bits)
+    poisoned = torch.zeros(out.shape[:2], dtype=torch.bool)
+    poisoned[64:, 6:8] = True  # the last block of 32 queries, the query heads of KV head 3
+    assert out[poisoned].isnan().all()
+    assert out[~poisoned].isfinite().all()
+    q, k, v = _attention_inputs(70, 80, 16, 8, 128)
+    k[75] = float("nan")
+    assert cpu_kernels.prefill_attention(q, k, v, 128**-0.5, vector_bits).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "error"),
+    [
+        (((9, 16, 128), (8, 8, 128)), "fewer slots"),
+        (((9, 12, 128), (16, 8, 128)), "do not share"),
+        (((9, 16, 48), (16, 8, 48)), "not a whole number of blocks"),
+    ],
+)
+def test_prefill_attention_refuses_shapes_it_cannot_read(shapes, error):
+    (tokens, heads, dim), kv_shape = shapes
+    with pytest.raises(RuntimeError, match=error):
+        cpu_kernels.prefill_attention(
+            torch.randn(tokens, heads, dim), torch.randn(kv_shape), torch.randn(kv_shape), 1.0
+        )
