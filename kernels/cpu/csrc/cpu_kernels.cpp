@@ -887,47 +887,11 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 // rows' outputs gather the values block by block; no [T, T] scores. torch's SDPA does the same
 // with MKL's sgemm on small tiles, and on an AMD CPU MKL runs its AVX2 kernels whatever the CPU
 // has (77% of SDPA's samples at 1024 tokens here in `mkl_blas_def_sgemm_kernel_0_zen`), at
-// 67-130 GFLOP/s on two cores. Here the products are register-blocked FMAs of the CPU's own
-// width. Query i sees keys 0..i. The last query block reads every slot of the request's pages:
-// a slot past the prompt in its last page enters the values' sum with weight 0, so a NaN left
-// there reaches the output (docs/design.md §1), as through SDPA's tile over it.
-template <typename V, int R, int S>
-__attribute__((always_inline)) inline void attn_scores(const float* q, int64_t dim, const float* kt, float* s) {
-  constexpr int64_t width = sizeof(V) / sizeof(float), block = S * width;
-  V acc[R][S];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < S; ++c) acc[r][c] = V{};
-  for (int64_t d = 0; d < dim; ++d) {
-    V keys[S];
-    for (int c = 0; c < S; ++c) keys[c] = load<V>(kt + d * block + c * width);
-    for (int r = 0; r < R; ++r) {
-      const float x = q[r * dim + d];
-      for (int c = 0; c < S; ++c) acc[r][c] += x * keys[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < S; ++c) store(s + r * block + c * width, acc[r][c]);
-}
-
-// o[r][0 .. S * width) += sum_j p[r][j] * v_j for R rows and `keys` values v_j (`ldv` apart).
-template <typename V, int R, int S>
-__attribute__((always_inline)) inline void attn_values(const float* p, int64_t ldp, const float* v, int64_t ldv,
-                                                       int64_t keys, float* o, int64_t ldo) {
-  constexpr int64_t width = sizeof(V) / sizeof(float);
-  V acc[R][S];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < S; ++c) acc[r][c] = load<V>(o + r * ldo + c * width);
-  for (int64_t j = 0; j < keys; ++j) {
-    V vals[S];
-    for (int c = 0; c < S; ++c) vals[c] = load<V>(v + j * ldv + c * width);
-    for (int r = 0; r < R; ++r) {
-      const float x = p[r * ldp + j];
-      for (int c = 0; c < S; ++c) acc[r][c] += x * vals[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < S; ++c) store(o + r * ldo + c * width, acc[r][c]);
-}
+// 67-130 GFLOP/s on two cores. Here both products are panel_linear's register-blocked pass
+// (`panel_pass`) at the CPU's own width. Query i sees keys 0..i. The last query block reads
+// every slot of the request's pages: a slot past the prompt in its last page enters the values'
+// sum with weight 0, so a NaN left there reaches the output (docs/design.md §1), as through
+// SDPA's tile over it.
 
 // Row m of a block's scores `s` (`keys` of them real, the first `visible` seen by its query),
 // scaled, turned into the block's probabilities against the row's running max, which moves
@@ -978,18 +942,23 @@ __attribute__((always_inline)) inline void prefill_attention_task(const float* q
   for (int64_t kb = 0; kb < kend; kb += block) {
     const int64_t keys = std::min(block, kend - kb);
     const float* kblock = kt + kb * dim;
+    // Scores: R rows of queries against the block's transposed keys, panel_linear's pass.
     int64_t m = 0;
-    for (; m + R <= rows; m += R) attn_scores<V, R, S>(&qs[m * dim], dim, kblock, &s[m * block]);
-    for (; m < rows; ++m) attn_scores<V, 1, S>(&qs[m * dim], dim, kblock, &s[m * block]);
+    for (; m + R <= rows; m += R)
+      panel_pass<V, R, S>(&qs[m * dim], dim, kblock, block, 0, dim, &s[m * block], block, true);
+    for (; m < rows; ++m) panel_pass<V, 1, S>(&qs[m * dim], dim, kblock, block, 0, dim, &s[m * block], block, true);
     for (m = 0; m < rows; ++m) {
       const int64_t visible = std::clamp<int64_t>(q0 + m / rep - kb + 1, 0, keys);
       attn_softmax(&s[m * block], block, visible, scale, max[m], sum[m], &o[m * dim], dim);
     }
+    // Values: R rows of probabilities against the block's value rows, `block` columns at a
+    // time, added to the rows' outputs.
     const float* vb = vp + kb * dim;
     for (int64_t d = 0; d < dim; d += block) {
       for (m = 0; m + R <= rows; m += R)
-        attn_values<V, R, S>(&s[m * block], block, vb + d, dim, keys, &o[m * dim + d], dim);
-      for (; m < rows; ++m) attn_values<V, 1, S>(&s[m * block], block, vb + d, dim, keys, &o[m * dim + d], dim);
+        panel_pass<V, R, S>(&s[m * block], block, vb + d, dim, 0, keys, &o[m * dim + d], dim, false);
+      for (; m < rows; ++m)
+        panel_pass<V, 1, S>(&s[m * block], block, vb + d, dim, 0, keys, &o[m * dim + d], dim, false);
     }
   }
   for (int64_t m = 0; m < rows; ++m) {
