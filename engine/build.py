@@ -108,7 +108,8 @@ def make_scheduler(
         cfg.prefix_cache_checkpoint_pages,
     )
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    sched_cfg = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+    role = disagg.role if disagg is not None else "colocated"
+    sched_cfg = SchedulerConfig(cfg.step_token_budget(role, layout.device), cfg.max_num_seqs, max_len)
     return Scheduler(sched_cfg, kv, StopChecker(tokenizer, max_len), disagg)
 
 

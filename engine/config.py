@@ -29,6 +29,8 @@ CpuVectors = Literal["auto", "avx2", "avx512"]
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tiny-hybrid")
 MiB = 1 << 20
 MAX_TP = 64
+# A CPU prefill engine's default step budget (Config.step_token_budget).
+CPU_PREFILL_STEP_TOKENS = 256
 
 
 Role = Literal["colocated", "prefill", "decode"]
@@ -78,6 +80,13 @@ class Config:
     num_kv_blocks: int | None = _f(None, "KV blocks per engine; default: from kv_cache_memory", lo=1)
     kv_cache_memory: int = _f(256 * MiB, "KV cache bytes per engine: 1000000, 512MiB, 1GiB", lo=1, size=True)
     max_num_batched_tokens: int = _f(2048, "token budget of one scheduler step", lo=1)
+    prefill_max_num_batched_tokens: int | None = _f(
+        None,
+        "PD: token budget of a prefill engine's step; default: on a CPU, 256 (max_num_seqs if more, "
+        "max_num_batched_tokens if less), so a burst's first prompts come back a step sooner; elsewhere "
+        "max_num_batched_tokens",
+        lo=1,
+    )
     max_num_seqs: int = _f(64, "most requests running at once in one engine", lo=1)
     max_model_len: int | None = _f(None, "longest prompt + output; default: the model's limit", lo=1)
     max_waiting: int = _f(1024, "bound of the waiting queue; beyond it the API answers 503", lo=1)
@@ -220,12 +229,10 @@ class Config:
             # The value is a secret: the message must not quote it.
             raise ConfigError("invalid api_key: each comma-separated key must be non-empty, without spaces", "api_key")
         # As in vLLM: every running request must be able to get a token in every step.
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError(
-                f"invalid max_num_batched_tokens {self.max_num_batched_tokens}: must be >= "
-                f"max_num_seqs ({self.max_num_seqs})",
-                "max_num_batched_tokens",
-            )
+        for name in ("max_num_batched_tokens", "prefill_max_num_batched_tokens"):
+            budget = getattr(self, name)
+            if budget is not None and budget < self.max_num_seqs:
+                raise ConfigError(f"invalid {name} {budget}: must be >= max_num_seqs ({self.max_num_seqs})", name)
         if self.prefill == 0 and (self.prefill_tp is not None or self.decode_tp is not None):
             # Sizing prefill and decode engines asks for them: one prefill engine unless told more.
             object.__setattr__(self, "prefill", 1)
@@ -322,6 +329,22 @@ class Config:
     def colocated(self) -> bool:
         """True when each engine does both prefill and decode."""
         return self.prefill == 0
+
+    def step_token_budget(self, role: Role, device: str) -> int:
+        """The token budget of one step of an engine of `role` whose worker computes on `device`.
+
+        A prefill engine's steps are prompts alone. On a CPU a step of 256 prompt tokens already
+        multiplies at the matmul's full rate, so a burst of prompts taken a few at a time costs
+        no more in all than taken at once, and the first of them come back after one short step
+        instead of after the whole burst (BENCHMARKS.md, `bench.peers_pd`). A GPU needs far
+        bigger steps to be busy: it keeps `max_num_batched_tokens`."""
+        if role != "prefill":
+            return self.max_num_batched_tokens
+        if self.prefill_max_num_batched_tokens is not None:
+            return self.prefill_max_num_batched_tokens
+        if device != "cpu":
+            return self.max_num_batched_tokens
+        return min(self.max_num_batched_tokens, max(CPU_PREFILL_STEP_TOKENS, self.max_num_seqs))
 
     def tp_size(self, role: Role) -> int:
         """The tensor-parallel ranks of an engine of `role`."""

@@ -35,6 +35,9 @@ class CacheLayout:
     groups: tuple[CacheGroup, ...]
     buffers: tuple[tuple[int, ...], ...]  # layer ids sharing each byte buffer
     attn_dtype: str  # a name in models.dtypes.DTYPE_BYTES
+    # The device type the worker keeps the pages on ("cpu", "cuda"): the engine, which loads
+    # no torch, learns from it what "auto" became (a prefill engine's step budget: engine/build.py).
+    device: str = "cpu"
 
     @property
     def total_bytes(self) -> int:

@@ -180,7 +180,8 @@ class Worker:
         self.config: ModelConfig = loaded.config  # this rank's share under tensor parallelism
         cache_dtype = parse_dtype(cfg.kv_cache_dtype) or dtype_name(next(self.model.parameters()).dtype)
         block_size = cfg.block_size or auto_block_size(self.full_config, cache_dtype)
-        self._layout = plan_layout(self.config, cache_dtype, block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
+        planned = plan_layout(self.config, cache_dtype, block_size, cfg.num_kv_blocks, cfg.kv_cache_memory)
+        self._layout = dataclasses.replace(planned, device=self.device.type)
         # Zeroed once here; afterwards a page keeps what its last owner left (see allocate_caches).
         self.buffers, self.caches = allocate_caches(self._layout, self.config, self.device)
         self.sampler = Sampler(cfg.seed, self.device, self.config.vocab_size)

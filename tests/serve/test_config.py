@@ -198,6 +198,28 @@ def test_batched_tokens_must_cover_running_requests() -> None:
     with pytest.raises(ConfigError, match="max_num_batched_tokens 8: must be >= max_num_seqs"):
         Config(max_num_batched_tokens=8)
     assert Config(max_num_batched_tokens=8, max_num_seqs=8).max_num_batched_tokens == 8
+    with pytest.raises(ConfigError, match="prefill_max_num_batched_tokens 8: must be >= max_num_seqs") as info:
+        Config(prefill_max_num_batched_tokens=8)
+    assert info.value.field == "prefill_max_num_batched_tokens"
+
+
+@pytest.mark.parametrize(
+    "fields, role, device, budget",
+    [
+        ({}, "colocated", "cpu", 2048),
+        ({}, "decode", "cpu", 2048),
+        ({}, "prefill", "cpu", 256),
+        ({}, "prefill", "cuda", 2048),
+        ({"max_num_seqs": 300}, "prefill", "cpu", 300),
+        ({"max_num_batched_tokens": 128}, "prefill", "cpu", 128),
+        ({"prefill_max_num_batched_tokens": 1024}, "prefill", "cpu", 1024),
+        ({"prefill_max_num_batched_tokens": 100}, "prefill", "cuda", 100),
+        ({"prefill_max_num_batched_tokens": 100}, "decode", "cpu", 2048),
+    ],
+)
+def test_step_token_budget(fields: dict[str, int], role: str, device: str, budget: int) -> None:
+    """Only a prefill engine's steps shrink, and by default only on a CPU."""
+    assert Config(**fields).step_token_budget(role, device) == budget  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

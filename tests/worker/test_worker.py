@@ -289,6 +289,7 @@ def test_resumed_request_recomputes_and_continues_identically(checkpoint):
 def test_narrow_kv_cache_dtype(checkpoint):
     worker = make_worker(checkpoint, kv_cache_dtype="bfloat16")
     assert worker.layout.attn_dtype == "bfloat16"
+    assert worker.layout.device == "cpu"  # what the engine sizes a prefill step by
     drv = Driver(worker)
     drv.add("a", PROMPTS["a"])
     drv.step({"a": 7})
