@@ -167,6 +167,8 @@ def test_memory_size_in_every_layer(tmp_path: Path) -> None:
         ("num_kv_blocks", -1),
         ("kv_cache_memory", 0),
         ("max_num_batched_tokens", 0),
+        ("prefill_max_num_batched_tokens", 0),
+        ("prefill_max_num_batched_tokens", "256"),
         ("max_num_seqs", 0),
         ("max_model_len", 0),
         ("max_waiting", 0),

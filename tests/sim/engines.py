@@ -108,7 +108,10 @@ def build_engine(
         for rank in range(tp)
     ]
     kv = KVCacheManager(shape.groups, num_blocks, BLOCK_SIZE, shape.prefix_caching, shape.checkpoint_interval)
-    cfg = SchedulerConfig(shape.max_batched_tokens, shape.max_num_seqs, MAX_MODEL_LEN)
+    budget = shape.max_batched_tokens
+    if role == "prefill" and shape.prefill_max_batched_tokens is not None:
+        budget = shape.prefill_max_batched_tokens
+    cfg = SchedulerConfig(budget, shape.max_num_seqs, MAX_MODEL_LEN)
     disagg = (
         None
         if role == "colocated"

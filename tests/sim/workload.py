@@ -53,6 +53,8 @@ class Shape:
     decode_blocks: int = 64
     max_num_seqs: int = 8
     max_batched_tokens: int = 32
+    # A prefill engine's own step budget (engine/config.py `step_token_budget`); None = the above.
+    prefill_max_batched_tokens: int | None = None
     num_requests: int = 16
     prompt_len: tuple[int, int] = (1, 24)  # 1: the prefill engine hands over an empty prompt
     max_tokens: tuple[int, int] = (1, 10)
@@ -331,6 +333,32 @@ SHAPES: dict[str, Shape] = {
             prefill_blocks=48,
             num_requests=24,
             arrival_gap_s=0.0005,
+        ),
+        # A prefill engine whose steps are smaller than the prompts (a CPU's default, docs/design.md
+        # §3): bursts are chunked across its steps while loads fail and requests are aborted.
+        Shape(
+            "hybrid_pd_small_prefill_steps_fail_aborts",
+            "hybrid",
+            prefill_max_batched_tokens=8,
+            fail_fraction=0.2,
+            abort_fraction=0.3,
+            decode_blocks=14,
+            prefill_blocks=20,
+            num_requests=24,
+            burst_size=8,
+        ),
+        Shape(
+            "dense_pd_prefix_small_prefill_steps_fail_aborts",
+            "dense",
+            prefix_caching=True,
+            prefill_max_batched_tokens=8,
+            fail_fraction=0.2,
+            abort_fraction=0.3,
+            decode_blocks=16,
+            prefill_blocks=24,
+            shared_prefixes=2,
+            num_requests=24,
+            burst_size=8,
         ),
         Shape("hybrid_colocated_tight", "hybrid", pd=False, decode_blocks=12, num_requests=24, arrival_gap_s=0.0),
         # Hybrid prefix caching (docs/design.md §21): state checkpoints at block boundaries, hits
