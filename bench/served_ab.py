@@ -5,11 +5,13 @@ effect is smaller than the spread between runs on different minutes. Both server
 once (one colocated engine each, the `bench.peers` models, fp32, one compute thread bound to
 the same core) and are driven in alternating rounds, A then B, then B then A, so drift in
 the machine falls on both. Each round sends new prompts (`round_prompts`), the same to both.
-Prints output tokens/s and TPOT per stream count and each B/A ratio, and one JSON line at the
-end.
+A side's extra server flags (`--a-args`, `--b-args`) compare two settings of one checkout.
+Prints output tokens/s, TPOT and TTFT p50 per stream count and each B/A ratio (tokens a
+second), and one JSON line at the end.
 
     python -m bench.served_ab --a /tmp/old-checkout --b . --model hybrid
     python -m bench.served_ab --a /tmp/old-checkout --b . --model-dir /tmp/raypd/real-ckpt/dense --threads 2
+    python -m bench.served_ab --a . --b . --b-args="--max-num-batched-tokens 256" --streams 4,16
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -46,7 +49,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
     parser.add_argument("--work-dir", type=Path, help="the model and server logs (default: a temporary dir)")
+    parser.add_argument("--a-args", default="", help="extra `python -m serve` flags of side A, one shell-quoted string")
+    parser.add_argument("--b-args", default="", help="extra `python -m serve` flags of side B, one shell-quoted string")
     args = parser.parse_args(argv)
+    for side in ("a", "b"):
+        try:
+            setattr(args, f"{side}_args", shlex.split(getattr(args, f"{side}_args")))
+        except ValueError as e:
+            parser.error(f"--{side}-args {getattr(args, f'{side}_args')!r}: {e}")
     try:
         args.streams = [int(s) for s in args.streams.split(",")]
     except ValueError:
@@ -71,6 +81,10 @@ def _tpot_ms(samples: list[Sample]) -> float:
     return 1e3 * statistics.median((s.e2e - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1)
 
 
+def _ttft_ms(samples: list[Sample]) -> float:
+    return 1e3 * statistics.median(s.ttft for s in samples)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     with ExitStack() as stack:
@@ -84,25 +98,28 @@ def main(argv: list[str] | None = None) -> None:
         urls = {}
         for side in ("a", "b"):
             port = free_port()
-            cmd = raypd_command(model, args.model, port, args.threads, max(args.streams))
+            cmd = raypd_command(model, args.model, port, args.threads, max(args.streams)) + getattr(
+                args, f"{side}_args"
+            )
             log = work / f"served-ab-{side}.log"
             urls[side] = stack.enter_context(running(cmd, vllm_env(args.threads), port, log, getattr(args, side)))
-        runs: dict[str, dict[int, list[tuple[float, float]]]] = {s: {n: [] for n in args.streams} for s in urls}
+        runs: dict[str, dict[int, list[tuple[float, float, float]]]] = {s: {n: [] for n in args.streams} for s in urls}
         for r in range(args.rounds):
             for streams in args.streams:
                 prompts = round_prompts(r, streams, args)
                 for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
                     settle()
                     got, wall = asyncio.run(drive(urls[side], args.model, prompts, streams, args.max_tokens))
-                    runs[side][streams].append((sum(s.tokens for s in got) / wall, _tpot_ms(got)))
+                    runs[side][streams].append((sum(s.tokens for s in got) / wall, _tpot_ms(got), _ttft_ms(got)))
         ratios = {}
         for streams in args.streams:
-            tps = {s: statistics.fmean(x for x, _ in runs[s][streams]) for s in urls}
-            tpot = {s: statistics.fmean(y for _, y in runs[s][streams]) for s in urls}
+            tps, tpot, ttft = ({s: statistics.fmean(r[i] for r in runs[s][streams]) for s in urls} for i in range(3))
             ratios[f"c{streams}"] = round(tps["b"] / tps["a"], 3)
+            ratios[f"ttft_c{streams}"] = round(ttft["b"] / ttft["a"], 3)
             print(
-                f"{streams:2d} streams: A {tps['a']:7.1f} tok/s TPOT {tpot['a']:6.2f} ms | "
-                f"B {tps['b']:7.1f} tok/s TPOT {tpot['b']:6.2f} ms | B/A {ratios[f'c{streams}']:.3f}",
+                f"{streams:2d} streams: A {tps['a']:7.1f} tok/s TPOT {tpot['a']:6.2f} ms TTFT {ttft['a']:7.1f} ms | "
+                f"B {tps['b']:7.1f} tok/s TPOT {tpot['b']:6.2f} ms TTFT {ttft['b']:7.1f} ms | "
+                f"B/A {ratios[f'c{streams}']:.3f} (TTFT {ratios[f'ttft_c{streams}']:.3f})",
                 flush=True,
             )
         print(json.dumps({"model": args.model} | ratios))

@@ -50,3 +50,14 @@ def test_each_round_sends_prompts_no_earlier_round_sent():
     assert round_prompts(1, 4, args) == rounds[1]
     firsts = [tuple(p[:16]) for prompts in rounds for p in prompts]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_each_side_takes_its_own_server_flags():
+    args = _parse(["--a", str(ROOT), "--b", str(ROOT), "--b-args", "--max-num-batched-tokens 256"])
+    assert (args.a_args, args.b_args) == ([], ["--max-num-batched-tokens", "256"])
+
+
+def test_unbalanced_quotes_in_a_sides_flags_are_named(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--a", str(ROOT), "--b", str(ROOT), "--a-args", "--served-model-name 'x"])
+    assert '--a-args "--served-model-name \'x": No closing quotation' in capsys.readouterr().err
