@@ -6,8 +6,8 @@ so a NaN left in an unused slot of an allocated block still turns the output int
 (0 * NaN = NaN). That is deliberate: it is the property that makes zero-on-allocate
 necessary (docs/design.md §1), and the tests rely on it to see the bug when zeroing is skipped.
 Slots of table padding (blocks the request does not own) are replaced by zeros, so one
-request never poisons another. On a CPU, decode steps read the pages in place through a C++
-kernel that keeps both properties (docs/design.md §13).
+request never poisons another. On a CPU, decode steps and prompt chunks read the pages in place
+through C++ kernels that keep both properties (docs/design.md §13).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def paged_attention(
         return _attend_decode(
             q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, meta.decode_mask, scale
         )
+    if _kernel_takes(q, k_cache):
+        return _attend_in_kernels(q, k_cache, v_cache, batch, meta, scale)
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
     if not single:
@@ -157,18 +159,41 @@ def _attend_decode(
     return out.view(reqs, heads, head_dim)
 
 
-def _kernel_takes(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `cpu_kernels.prefill_attention` takes a fresh chunk's queries [T, H, D] and its
-    gathered keys: fp32 on a CPU with the kernels on, heads of a multiple of 64, each token's
-    heads contiguous."""
+def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `cpu_kernels.prefill_attention` takes a step's chunks: fp32 queries and pages on
+    a CPU with the kernels on, heads of a multiple of 64, each token's heads contiguous."""
     head_dim = q.shape[-1]
     return (
         head_dim % 64 == 0
-        and q.dtype == keys.dtype == torch.float32
+        and q.dtype == k_cache.dtype == torch.float32
         and q.stride(-1) == 1
         and q.stride(1) == head_dim
-        and cpu_kernels.usable(q, keys)
+        and cpu_kernels.usable(q, k_cache)
     )
+
+
+def _attend_in_kernels(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: AttnMeta, scale: float
+) -> torch.Tensor:
+    """A step with prompt chunks, on the C++ kernels: its single-token requests through the
+    decode kernel, and every chunk through `cpu_kernels.prefill_attention`, read from its pages
+    where they lie, fresh or after cached tokens, alone in its step or not (docs/design.md §13).
+    Chunks come with a CPU prefill engine's 256-token steps and with prefix-cache hits, where
+    SDPA with a mask computed every key tile it then masked out. The output equals SDPA's to
+    rounding, not bit for bit, and a chunk's rows are the same however its prompt was cut."""
+    lens = batch.query_lens
+    out = q.new_empty(q.shape)
+    single = [r for r, n in enumerate(lens) if n == 1]
+    multi = [r for r, n in enumerate(lens) if n > 1]
+    table = meta.block_table
+    if single:
+        rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long)
+        reqs = torch.tensor(single, dtype=torch.long)
+        out[rows] = _attend_decode(q[rows], k_cache, v_cache, table[reqs], None, batch.positions[rows], None, scale)
+        table = table[torch.tensor(multi, dtype=torch.long)]
+    chunks = torch.tensor([(batch.query_start[r], lens[r], batch.num_computed[r]) for r in multi], dtype=torch.long)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, table, chunks, out, scale, cpu_kernels.installed().vector_bits)
+    return out
 
 
 def _attend_chunks(
@@ -195,10 +220,9 @@ def _attend_chunks(
     query i sees keys 0..i, which is SDPA's own causal pattern (`is_causal`, aligned to the top
     left): no mask is built, and SDPA skips the key tiles past each query tile instead of
     computing them and masking them out. On a CPU the output is bit for bit the masked one,
-    and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13). A
-    fresh prompt alone in its step, fp32 with heads of a multiple of 64, takes the C++ kernel
-    instead where the kernels run (`cpu_kernels.prefill_attention`: 2-3x SDPA with AVX-512);
-    its output equals SDPA's to rounding, not bit for bit."""
+    and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13). Where
+    the C++ kernels run, fp32 with heads of a multiple of 64, `_attend_in_kernels` takes the
+    step instead."""
     heads, head_dim = q.shape[1:]
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)
@@ -206,8 +230,6 @@ def _attend_chunks(
     # One chunk (a prompt's prefill on its own): its queries, in order, are the padded batch
     # already; padding them was four copies and index writes of [N, H, D] per layer.
     alone = reqs == 1 and q.shape[0] == max_query_len
-    if fresh and alone and _kernel_takes(q, keys):
-        return cpu_kernels.prefill_attention(q, keys[0], values[0], scale, cpu_kernels.installed().vector_bits)
     if alone:
         qp = q[None]
     else:

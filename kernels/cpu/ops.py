@@ -388,17 +388,26 @@ def panel_linear(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vector_bits: int = 0
-) -> torch.Tensor:
-    """Causal attention of one chunk that starts at position 0 (fp32 CPU): query i of q [T, H,
-    D] (each token's heads contiguous, D a multiple of 64) sees keys and values 0..i of k, v [S,
-    KVH, D] (contiguous, S >= T: the request's pages gathered), and the last block of queries
-    also every slot past them, with weight 0, so that a NaN left in the request's last page
-    reaches its output (docs/design.md §13). `vector_bits` as for `panel_linear`. Returns a new
-    [T, H, D]."""
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    chunks: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    vector_bits: int = 0,
+) -> None:
+    """Causal attention of a step's prompt chunks, read from the pages (fp32 CPU). Request r
+    (row r of `table` [R, W] and of `chunks` [R, 3], both int64) has rows start..start + len of
+    q [N, H, D] (each token's heads contiguous, D a multiple of 64), at positions pos.. (its
+    tokens cached before); `chunks[r]` is (start, len, pos). A query at position p sees its
+    request's keys and values 0..p, and the last block of a chunk's queries also every slot to
+    the end of its last page, with weight 0, so that a NaN left there reaches its output
+    (docs/design.md §13). Writes those rows of `out` (contiguous [N, H, D]), the others left as
+    they are. `vector_bits` as for `panel_linear`."""
     kernels = load()
     assert kernels is not None, "prefill_attention called without usable() kernels"
-    return kernels.prefill_attention(q, k, v, scale, vector_bits or panel_vector_bits())
+    kernels.prefill_attention(q, k_cache, v_cache, table, chunks, out, scale, vector_bits or panel_vector_bits())
 
 
 @cache

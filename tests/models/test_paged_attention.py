@@ -116,24 +116,39 @@ def test_fresh_prompts_take_the_causal_pattern_bit_for_bit():
     assert torch.equal(fresh, masked)
 
 
-def test_a_fresh_prompt_alone_with_wide_heads_takes_the_kernel(monkeypatch):
-    """Heads of 64: a fresh prompt alone in its step runs `cpu_kernels.prefill_attention`, which
-    equals attention over the request's own tokens, and a NaN in the unused end of its last page
-    still reaches its last token; a prompt after cached tokens keeps SDPA and its mask."""
+@pytest.mark.parametrize(
+    ("spans", "blocks"),
+    [
+        ([(0, 7)], [[3, 7]]),  # a fresh prompt alone
+        ([(0, 7), (0, 3), (0, 10)], [[3, 7], [9], [2, 12, 4]]),  # fresh prompts side by side
+        ([(0, 7), (5, 4)], [[3, 7], [9, 12, 1]]),  # one resumes after 5 cached tokens
+        ([(6, 1), (2, 9)], [[3, 7], [9, 12, 1]]),  # a decode token beside a resumed chunk
+    ],
+)
+def test_with_wide_heads_every_chunk_takes_the_kernel(monkeypatch, spans, blocks):
+    """Heads of 64: a step's chunks run `cpu_kernels.prefill_attention` in one call, fresh or
+    after cached tokens, alone or not (a decode token beside them takes the decode kernel), and
+    each equals attention over its request's own tokens; a NaN in the unused end of a chunk's
+    last page still reaches its last token."""
     calls = []
     kernel = cpu_kernels.prefill_attention
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
     with cpu_kernels.using(cpu_kernels.decide(True)):
         k_cache, v_cache = _pages(64)
-        q, out, _ = _chunks([(0, 7)], [[3, 7]], k_cache, v_cache)
+        q, out, _ = _chunks(spans, blocks, k_cache, v_cache)
         assert calls == [1]
-        keys, values = _own_tokens(k_cache, [3, 7], 7), _own_tokens(v_cache, [3, 7], 7)
-        want = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, is_causal=True, scale=64**-0.5, enable_gqa=True
-        )
-        torch.testing.assert_close(out, want.transpose(0, 1), rtol=1e-5, atol=1e-5)
-        v_cache[7, 3] = float("nan")  # the prompt's second page, the slot past its 7 tokens
-        _, out, _ = _chunks([(0, 7)], [[3, 7]], k_cache, v_cache)
-        assert out[-1].isnan().any()
-        _chunks([(4, 3)], [[3, 7]], *_pages(64))
-        assert calls == [1, 1]
+        start = 0
+        for (done, n), ids in zip(spans, blocks):
+            keys, values = _own_tokens(k_cache, ids, done + n), _own_tokens(v_cache, ids, done + n)
+            visible = torch.arange(done + n)[None, :] <= torch.arange(done, done + n)[:, None]
+            want = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1), keys, values, attn_mask=visible, scale=64**-0.5, enable_gqa=True
+            )
+            torch.testing.assert_close(out[start : start + n], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+            start += n
+        done, n = spans[-1]
+        last = blocks[-1][(done + n - 1) // BLOCK]
+        if (done + n) % BLOCK:
+            v_cache[last, BLOCK - 1] = float("nan")  # the last chunk's last page, past its tokens
+            _, out, _ = _chunks(spans, blocks, k_cache, v_cache)
+            assert out[-1].isnan().any() and out[:-n].isfinite().all()

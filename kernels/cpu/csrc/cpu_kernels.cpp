@@ -881,17 +881,18 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   return out;
 }
 
-// Causal attention of one prompt chunk that starts at position 0 (a fresh prompt alone in its
-// step), flash-style: per (KV head, block of queries) task, the group's query heads' rows score
-// a block of keys at a time, a running max and sum per row keep the softmax exact, and the
-// rows' outputs gather the values block by block; no [T, T] scores. torch's SDPA does the same
-// with MKL's sgemm on small tiles, and on an AMD CPU MKL runs its AVX2 kernels whatever the CPU
-// has (77% of SDPA's samples at 1024 tokens here in `mkl_blas_def_sgemm_kernel_0_zen`), at
-// 67-130 GFLOP/s on two cores. Here both products are panel_linear's register-blocked pass
-// (`panel_pass`) at the CPU's own width. Query i sees keys 0..i. The last query block reads
-// every slot of the request's pages: a slot past the prompt in its last page enters the values'
-// sum with weight 0, so a NaN left there reaches the output (docs/design.md §1), as through
-// SDPA's tile over it.
+// Causal attention of a step's prompt chunks, flash-style, each read from its request's pages:
+// per (request, KV head, block of queries) task, the group's query heads' rows score a block of
+// keys at a time, a running max and sum per row keep the softmax exact, and the rows' outputs
+// gather the values block by block; no [T, T] scores. torch's SDPA does the same with MKL's sgemm
+// on small tiles, and on an AMD CPU MKL runs its AVX2 kernels whatever the CPU has (77% of
+// SDPA's samples at 1024 tokens here in `mkl_blas_def_sgemm_kernel_0_zen`), at 67-130 GFLOP/s on
+// two cores; with a mask (a chunk after cached tokens) it also computes every key tile it then
+// masks out. Here both products are panel_linear's register-blocked pass (`panel_pass`) at the
+// CPU's own width. A chunk's query at position p sees its request's keys 0..p, whether earlier
+// chunks were computed in this step or before. The last query block of a chunk reads every slot
+// up to the end of its last page: a slot past the chunk enters the values' sum with weight 0, so
+// a NaN left there reaches the output (docs/design.md §1), as through SDPA's tile over it.
 
 // Row m of a block's scores `s` (`keys` of them real, the first `visible` seen by its query),
 // scaled, turned into the block's probabilities against the row's running max, which moves
@@ -924,14 +925,15 @@ inline void attn_softmax(float* s, int64_t block, int64_t visible, float scale, 
   sum += ::sum(total) + rest;
 }
 
-// One task: queries q0..q1 of KV head g's query heads against keys 0..kend. `kt`: the head's
-// keys transposed, block by block ([blocks][dim][block], zeros past the last key); `vp` its
-// values, one contiguous row a key.
+// One task: rows q0..q1 of q (at positions q0 + shift ..) of KV head g's query heads against
+// keys 0..kend. `kt`: the head's keys transposed, block by block ([blocks][dim][block], zeros
+// past the last key); `vp` its values, one contiguous row a key.
 template <typename V, int R, int S>
 __attribute__((always_inline)) inline void prefill_attention_task(const float* q, int64_t ldq, const float* kt,
                                                                   const float* vp, float* out, int64_t heads,
                                                                   int64_t kv_heads, int64_t dim, int64_t g,
-                                                                  int64_t q0, int64_t q1, int64_t kend, float scale) {
+                                                                  int64_t q0, int64_t q1, int64_t shift, int64_t kend,
+                                                                  float scale) {
   constexpr int64_t width = sizeof(V) / sizeof(float), block = S * width;
   const int64_t rep = heads / kv_heads, rows = rep * (q1 - q0);
   // Row m is query q0 + m / rep of head g * rep + m % rep: a query's heads are neighbours.
@@ -948,7 +950,7 @@ __attribute__((always_inline)) inline void prefill_attention_task(const float* q
       panel_pass<V, R, S>(&qs[m * dim], dim, kblock, block, 0, dim, &s[m * block], block, true);
     for (; m < rows; ++m) panel_pass<V, 1, S>(&qs[m * dim], dim, kblock, block, 0, dim, &s[m * block], block, true);
     for (m = 0; m < rows; ++m) {
-      const int64_t visible = std::clamp<int64_t>(q0 + m / rep - kb + 1, 0, keys);
+      const int64_t visible = std::clamp<int64_t>(q0 + m / rep + shift - kb + 1, 0, keys);
       attn_softmax(&s[m * block], block, visible, scale, max[m], sum[m], &o[m * dim], dim);
     }
     // Values: R rows of probabilities against the block's value rows, `block` columns at a
@@ -972,76 +974,132 @@ __attribute__((always_inline)) inline void prefill_attention_task(const float* q
 // slower than SDPA at 4096 tokens, three 4% faster); AVX-512's 32: four rows of four 16-float
 // vectors (64 keys; six rows were no faster).
 void prefill_attention_avx2(const float* q, int64_t ldq, const float* kt, const float* vp, float* out, int64_t heads,
-                            int64_t kv_heads, int64_t dim, int64_t g, int64_t q0, int64_t q1, int64_t kend,
-                            float scale) {
-  prefill_attention_task<Lanes, 3, 4>(q, ldq, kt, vp, out, heads, kv_heads, dim, g, q0, q1, kend, scale);
+                            int64_t kv_heads, int64_t dim, int64_t g, int64_t q0, int64_t q1, int64_t shift,
+                            int64_t kend, float scale) {
+  prefill_attention_task<Lanes, 3, 4>(q, ldq, kt, vp, out, heads, kv_heads, dim, g, q0, q1, shift, kend, scale);
 }
 
 __attribute__((target("avx512f"))) void prefill_attention_avx512(const float* q, int64_t ldq, const float* kt,
                                                                   const float* vp, float* out, int64_t heads,
                                                                   int64_t kv_heads, int64_t dim, int64_t g,
-                                                                  int64_t q0, int64_t q1, int64_t kend, float scale) {
-  prefill_attention_task<Wide, 4, 4>(q, ldq, kt, vp, out, heads, kv_heads, dim, g, q0, q1, kend, scale);
+                                                                  int64_t q0, int64_t q1, int64_t shift, int64_t kend,
+                                                                  float scale) {
+  prefill_attention_task<Wide, 4, 4>(q, ldq, kt, vp, out, heads, kv_heads, dim, g, q0, q1, shift, kend, scale);
 }
 
 constexpr int64_t kAttnQueries = 32;  // queries a task: with two heads a KV head, 64 rows
 
-// q [T, H, D] (rows of whole heads, any row stride); k, v [S, KVH, D] contiguous, the request's
-// pages gathered (S >= T). Returns [T, H, D].
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                                int64_t vector_bits) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+// One query block's task: rows q0..q1 of q, at positions q0 + shift .., of KV head g, reading
+// keys 0..kend of its chunk's transposed keys and values.
+struct AttnTask {
+  int64_t chunk, g, q0, q1, shift, kend;
+};
+
+// q [N, H, D] (rows of whole heads, any row stride); the caches [blocks, block_size, KVH, D]
+// (head_dim contiguous, any other strides: the worker's pages are head-major); table [R, W]
+// int64, request r's pages; chunks [R, 3] int64: request r's first row of q, its rows, and the
+// position of that row (its tokens cached before). Writes the chunks' rows of out [N, H, D]
+// (contiguous), leaving the others as they are.
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& table, const torch::Tensor& chunks, torch::Tensor out, double scale,
+                       int64_t vector_bits) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && out.device().is_cpu(),
+              "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 [tokens, heads, dim] with each token's heads contiguous");
-  for (const auto* t : {&k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->sizes() == k.sizes(),
-                "k and v must be contiguous float32 [slots, kv_heads, dim] of one shape");
-  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2), slots = k.size(0), kv_heads = k.size(1);
-  TORCH_CHECK(k.size(2) == dim, "q and k have different head dims");
+  check_pages(k_cache, "k_cache");
+  check_pages(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
+              "the caches must be float32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
+              "out must be a contiguous float32 tensor of q's shape");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), page = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches have different head dims");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " heads do not share ", kv_heads, " KV heads evenly");
-  TORCH_CHECK(slots >= tokens, "fewer slots (", slots, ") than tokens (", tokens, ")");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kLong && table.is_contiguous(),
+              "table must be a contiguous int64 [requests, blocks]");
+  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 3 && chunks.size(0) == table.size(0) &&
+                  chunks.scalar_type() == torch::kLong && chunks.is_contiguous(),
+              "chunks must be a contiguous int64 [requests, 3], a row for each row of the table");
   TORCH_CHECK(vector_bits == 256 || (vector_bits == 512 && has_avx512()), vector_bits,
               "-bit vectors are not available on this CPU");
-  TORCH_CHECK(dim % (vector_bits == 512 ? 64 : 32) == 0, "a head of ", dim, " is not a whole number of blocks");
-  auto out = torch::empty({tokens, heads, dim}, q.options());
-  if (tokens == 0) return out;
-  const auto task = vector_bits == 512 ? prefill_attention_avx512 : prefill_attention_avx2;
-  const int64_t block = vector_bits == 512 ? 64 : 32, padded = (slots + block - 1) / block * block;
-  // Each KV head's keys transposed block by block, and its values row by row, once: every
-  // query block reads them again (a task transposing its own blocks spent as long on that as
-  // on the products at 2048 tokens), and a key's row in the pages is KV heads apart.
-  auto kt = torch::empty({kv_heads, padded * dim}, k.options());
-  auto vp = torch::empty({kv_heads, slots * dim}, v.options());
-  const float *k_ptr = k.data_ptr<float>(), *v_ptr = v.data_ptr<float>();
+  const int64_t block = vector_bits == 512 ? 64 : 32;
+  TORCH_CHECK(dim % block == 0, "a head of ", dim, " is not a whole number of blocks");
+  const int64_t reqs = table.size(0), width = table.size(1);
+  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t* spec = chunks.data_ptr<int64_t>();
+  // Request r's keys: every slot of the pages its chunk reaches (`slots`), laid out for its
+  // tasks from `kt_at` / `vp_at` on, each KV head `padded` (whole key blocks) apart.
+  std::vector<int64_t> slots(reqs), padded(reqs), kt_at(reqs + 1, 0), vp_at(reqs + 1, 0), items_at(reqs + 1, 0);
+  std::vector<AttnTask> tasks;
+  for (int64_t r = 0; r < reqs; ++r) {
+    const int64_t start = spec[r * 3], len = spec[r * 3 + 1], pos = spec[r * 3 + 2];
+    TORCH_CHECK(start >= 0 && len > 0 && start + len <= tokens && pos >= 0, "chunk ", r, " (rows ", start, "..",
+                start + len, ", position ", pos, ") is outside the step's ", tokens, " tokens");
+    const int64_t pages = (pos + len + page - 1) / page;
+    TORCH_CHECK(pages <= width, "chunk ", r, " reaches position ", pos + len - 1, ", outside its table");
+    for (int64_t b = 0; b < pages; ++b)
+      TORCH_CHECK(rows[r * width + b] >= 0 && rows[r * width + b] < num_blocks, "block ", rows[r * width + b],
+                  " of request ", r, " is outside the cache");
+    slots[r] = pages * page;
+    padded[r] = (slots[r] + block - 1) / block * block;
+    kt_at[r + 1] = kt_at[r] + kv_heads * padded[r] * dim;
+    vp_at[r + 1] = vp_at[r] + kv_heads * slots[r] * dim;
+    items_at[r + 1] = items_at[r] + kv_heads * (padded[r] / block);
+    for (int64_t q0 = start; q0 < start + len; q0 += kAttnQueries) {
+      const int64_t q1 = std::min(start + len, q0 + kAttnQueries);
+      for (int64_t g = 0; g < kv_heads; ++g)
+        tasks.push_back({r, g, q0, q1, pos - start, q1 == start + len ? slots[r] : pos - start + q1});
+    }
+  }
+  // Each chunk's KV heads, keys transposed block by block and values row by row, once: every
+  // query block reads them again (a task transposing its own blocks spent as long on that as on
+  // the products at 2048 tokens), and a key's row in the pages is KV heads apart.
+  auto kt = torch::empty({kt_at[reqs]}, q.options());
+  auto vp = torch::empty({vp_at[reqs]}, q.options());
+  const float *k_ptr = k_cache.data_ptr<float>(), *v_ptr = v_cache.data_ptr<float>();
   float *kt_ptr = kt.data_ptr<float>(), *vp_ptr = vp.data_ptr<float>();
-  at::parallel_for(0, kv_heads * (padded / block), 1, [&](int64_t begin, int64_t end) {
+  const int64_t kpage = k_cache.stride(0), kslot = k_cache.stride(1), khead = k_cache.stride(2);
+  const int64_t vpage = v_cache.stride(0), vslot = v_cache.stride(1), vhead = v_cache.stride(2);
+  at::parallel_for(0, items_at[reqs], 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / (padded / block), kb = item % (padded / block) * block;
-      float* dst = kt_ptr + g * padded * dim + kb * dim;
+      const int64_t r = std::upper_bound(items_at.begin(), items_at.end(), item) - items_at.begin() - 1;
+      const int64_t local = item - items_at[r], per_head = padded[r] / block;
+      const int64_t g = local / per_head, kb = local % per_head * block;
+      float* dst = kt_ptr + kt_at[r] + g * padded[r] * dim + kb * dim;
       for (int64_t j = 0; j < block; ++j) {
-        const float* row = k_ptr + ((kb + j) * kv_heads + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d * block + j] = kb + j < slots ? row[d] : 0.f;
-        if (kb + j < slots) std::memcpy(vp_ptr + (g * slots + kb + j) * dim, v_ptr + ((kb + j) * kv_heads + g) * dim,
-                                        dim * sizeof(float));
+        const int64_t slot = kb + j;
+        if (slot >= slots[r]) {
+          for (int64_t d = 0; d < dim; ++d) dst[d * block + j] = 0.f;
+          continue;
+        }
+        const int64_t p = rows[r * width + slot / page], at = slot % page;
+        const float* key = k_ptr + p * kpage + at * kslot + g * khead;
+        for (int64_t d = 0; d < dim; ++d) dst[d * block + j] = key[d];
+        std::memcpy(vp_ptr + vp_at[r] + (g * slots[r] + slot) * dim, v_ptr + p * vpage + at * vslot + g * vhead,
+                    dim * sizeof(float));
       }
     }
   });
+  // The query blocks that read the most keys go first, from a shared counter.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& a, const AttnTask& b) { return a.kend > b.kend; });
+  const auto task = vector_bits == 512 ? prefill_attention_avx512 : prefill_attention_avx2;
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t ldq = q.stride(0), blocks = (tokens + kAttnQueries - 1) / kAttnQueries, tasks = blocks * kv_heads;
-  // The last query blocks read the most keys: they go first, from a shared counter.
+  const int64_t ldq = q.stride(0), count = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < count;
          t = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t b = blocks - 1 - t / kv_heads, g = t % kv_heads;
-      const int64_t q0 = b * kAttnQueries, q1 = std::min(tokens, q0 + kAttnQueries);
-      task(q_ptr, ldq, kt_ptr + g * padded * dim, vp_ptr + g * slots * dim, out_ptr, heads, kv_heads, dim, g, q0, q1,
-           q1 == tokens ? slots : q1, static_cast<float>(scale));
+      const AttnTask& a = tasks[t];
+      task(q_ptr, ldq, kt_ptr + kt_at[a.chunk] + a.g * padded[a.chunk] * dim,
+           vp_ptr + vp_at[a.chunk] + a.g * slots[a.chunk] * dim, out_ptr, heads, kv_heads, dim, a.g, a.q0, a.q1,
+           a.shift, a.kend, static_cast<float>(scale));
     }
   });
-  return out;
 }
 
 // A packed projection as `Linear.forward` runs it at inference: panel_linear on its panels up to

@@ -119,74 +119,132 @@ def test_causal_conv_over_many_channels_matches_the_torch_convolution(fresh):
     assert torch.equal(cache[others], before[others])
 
 
-def _attention_inputs(tokens: int, slots: int, heads: int, kv_heads: int, dim: int):
-    """q as the model hands it over: a view into each token's qkv row (heads contiguous, rows
-    strided); k, v as gathered pages."""
-    gen = torch.Generator().manual_seed(tokens)
+PAGE = 16
+
+
+def _paged_step(step: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, seed: int = 0):
+    """A step of one chunk a request, (tokens cached before, tokens now) each, as the model hands
+    it to the kernel: q a view into each token's qkv row (heads contiguous, rows strided); the
+    caches head-major pages (kv/cache_buffers.py's layout), each request's pages interleaved with
+    the others' and page 0 nobody's; table rows padded with 0; chunks (first row, rows, position)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-(done + n) // PAGE) for done, n in step]
+    order = torch.randperm(sum(pages), generator=gen) + 1
+    ids, at = [], 0
+    for n in pages:
+        ids.append(order[at : at + n].tolist())
+        at += n
+    kv = torch.randn(sum(pages) + 1, 2, kv_heads, PAGE, dim, generator=gen)
+    k_cache, v_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    tokens = sum(n for _, n in step)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
-    k, v = torch.randn(slots, kv_heads, dim, generator=gen), torch.randn(slots, kv_heads, dim, generator=gen)
-    return q, k, v
+    table = torch.tensor([row + [0] * (max(pages) - len(row)) for row in ids], dtype=torch.long)
+    starts = [0]
+    for _, n in step:
+        starts.append(starts[-1] + n)
+    chunks = torch.tensor([(starts[r], n, done) for r, (done, n) in enumerate(step)], dtype=torch.long)
+    return q, k_cache, v_cache, table, chunks, ids
 
 
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA's top-left causal pattern over every slot: query i sees slots 0..i."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        is_causal=True,
-        scale=q.shape[-1] ** -0.5,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)
+def _run(q, k_cache, v_cache, table, chunks, vector_bits: int = 0) -> torch.Tensor:
+    out = torch.full(q.shape, 7.0)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, table, chunks, out, q.shape[-1] ** -0.5, vector_bits)
+    return out
+
+
+def _own_tokens(cache: torch.Tensor, ids: list[int], length: int) -> torch.Tensor:
+    """[KVH, length, D]: a request's tokens read page by page."""
+    return torch.cat([cache[b] for b in ids])[:length].transpose(0, 1)
 
 
 @pytest.mark.parametrize("vector_bits", VECTOR_BITS)
 @pytest.mark.parametrize(
-    ("tokens", "slots", "heads", "kv_heads", "dim"),
+    ("step", "heads", "kv_heads", "dim"),
     [
-        (1, 16, 16, 8, 128),  # one token, the rest of its page unused
-        (37, 48, 16, 8, 128),  # Qwen3-0.6B's heads, a partial query block and key block
-        (100, 112, 32, 8, 64),  # four query heads a KV head, heads of 64
-        (130, 144, 8, 8, 64),  # one query head a KV head
-        (300, 304, 16, 2, 128),  # eight a KV head, ten query blocks
+        ([(0, 1)], 16, 8, 128),  # one token, the rest of its page unused
+        ([(0, 37)], 16, 8, 128),  # Qwen3-0.6B's heads, a partial query block and key block
+        ([(0, 100)], 32, 8, 64),  # four query heads a KV head, heads of 64
+        ([(0, 130)], 8, 8, 64),  # one query head a KV head
+        ([(0, 300)], 16, 2, 128),  # eight a KV head, ten query blocks
+        ([(200, 56)], 16, 8, 128),  # after 200 cached tokens: a prefill engine's later chunk
+        ([(0, 40), (17, 70), (256, 5), (3, 2)], 16, 8, 128),  # fresh and resumed, side by side
     ],
 )
-def test_prefill_attention_equals_causal_sdpa(vector_bits, tokens, slots, heads, kv_heads, dim):
-    q, k, v = _attention_inputs(tokens, slots, heads, kv_heads, dim)
-    got = cpu_kernels.prefill_attention(q, k, v, dim**-0.5, vector_bits)
-    torch.testing.assert_close(got, _causal_sdpa(q, k, v), rtol=1e-5, atol=1e-5)
+def test_prefill_attention_equals_masked_sdpa_over_each_requests_own_tokens(vector_bits, step, heads, kv_heads, dim):
+    q, k_cache, v_cache, table, chunks, ids = _paged_step(step, heads, kv_heads, dim)
+    out = _run(q, k_cache, v_cache, table, chunks, vector_bits)
+    start = 0
+    for (done, n), pages in zip(step, ids):
+        keys, values = _own_tokens(k_cache, pages, done + n), _own_tokens(v_cache, pages, done + n)
+        visible = torch.arange(done + n)[None, :] <= torch.arange(done, done + n)[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1), keys, values, attn_mask=visible, scale=dim**-0.5, enable_gqa=True
+        )
+        torch.testing.assert_close(out[start : start + n], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        start += n
 
 
 @pytest.mark.parametrize("vector_bits", VECTOR_BITS)
-def test_prefill_attention_a_nan_past_the_prompt_reaches_the_last_block(vector_bits):
-    """A NaN value in a slot past the prompt (its last page's unused end) enters the last query
+def test_a_prompt_cut_into_chunks_gets_its_whole_rows_bit_for_bit(vector_bits):
+    """Where a prefill engine's step budget cuts a prompt, each chunk's rows are the rows of the
+    prompt computed whole: keys are taken in the same blocks from slot 0, and blocks past a
+    query add exactly nothing. A prompt answers the same under any step budget."""
+    q, k_cache, v_cache, table, _, _ = _paged_step([(0, 300)], 16, 8, 128)
+    whole = _run(q, k_cache, v_cache, table, torch.tensor([(0, 300, 0)]), vector_bits)
+    for cut in ((0, 100), (100, 156), (256, 44)):
+        chunk = torch.tensor([(cut[0], cut[1], cut[0])])
+        rows = slice(cut[0], sum(cut))
+        assert torch.equal(_run(q, k_cache, v_cache, table, chunk, vector_bits)[rows], whole[rows])
+
+
+def test_rows_outside_the_chunks_are_left_as_they_are():
+    """A step's single-token rows are the decode kernel's: the chunks' call writes only its own."""
+    q, k_cache, v_cache, table, _, _ = _paged_step([(5, 1), (0, 20)], 16, 8, 128)
+    out = _run(q, k_cache, v_cache, table[1:], torch.tensor([(1, 20, 0)]))
+    assert (out[0] == 7.0).all() and (out[1:] != 7.0).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("vector_bits", VECTOR_BITS)
+def test_a_nan_past_the_chunk_reaches_its_last_block_and_other_pages_do_not(vector_bits):
+    """A NaN value in a slot past the chunk (its last page's unused end) enters the last query
     block's sums with weight 0, as through SDPA's tile over it: skipping zero-on-allocate stays
-    visible in the prompt's last token. A NaN key there is never scored (SDPA masks its score)."""
-    q, k, v = _attention_inputs(70, 80, 16, 8, 128)
-    v[75, 3] = float("nan")
-    out = cpu_kernels.prefill_attention(q, k, v, 128**-0.5, vector_bits)
+    visible in the chunk's last token. A NaN key there is never scored (SDPA masks its score),
+    and a page the request does not own (page 0, its table's padding) is never read."""
+    step = [(30, 40), (0, 90)]  # request 0 reaches position 69, in its fifth page
+    q, k_cache, v_cache, table, chunks, ids = _paged_step(step, 16, 8, 128)
+    k_cache[0] = v_cache[0] = float("nan")
+    v_cache[ids[0][4], 75 - 4 * PAGE, 3] = float("nan")
+    out = _run(q, k_cache, v_cache, table, chunks, vector_bits)
     poisoned = torch.zeros(out.shape[:2], dtype=torch.bool)
-    poisoned[64:, 6:8] = True  # the last block of 32 queries, the query heads of KV head 3
+    poisoned[32:40, 6:8] = True  # request 0's last block of queries, the query heads of KV head 3
     assert out[poisoned].isnan().all()
     assert out[~poisoned].isfinite().all()
-    q, k, v = _attention_inputs(70, 80, 16, 8, 128)
-    k[75] = float("nan")
-    assert cpu_kernels.prefill_attention(q, k, v, 128**-0.5, vector_bits).isfinite().all()
+    q, k_cache, v_cache, table, chunks, ids = _paged_step(step, 16, 8, 128)
+    k_cache[ids[0][4], 75 - 4 * PAGE] = float("nan")
+    assert _run(q, k_cache, v_cache, table, chunks, vector_bits).isfinite().all()
 
 
 @pytest.mark.parametrize(
-    ("shapes", "error"),
+    ("change", "error"),
     [
-        (((9, 16, 128), (8, 8, 128)), "fewer slots"),
-        (((9, 12, 128), (16, 8, 128)), "do not share"),
-        (((9, 16, 48), (16, 8, 48)), "not a whole number of blocks"),
+        ({"table": torch.tensor([[1, 99]])}, "block 99 of request 0 is outside the cache"),
+        ({"table": torch.tensor([[1]])}, "reaches position 19, outside its table"),
+        ({"chunks": torch.tensor([(0, 21, 0)])}, r"rows 0..21, position 0\) is outside the step's 20 tokens"),
+        ({"chunks": torch.tensor([(0, 20, 0), (0, 1, 0)])}, "a row for each row of the table"),
+        ({"q": torch.randn(20, 12, 128)}, "do not share"),
+        ({"out": torch.empty(20, 16, 64)}, "out must be"),
     ],
 )
-def test_prefill_attention_refuses_shapes_it_cannot_read(shapes, error):
-    (tokens, heads, dim), kv_shape = shapes
+def test_prefill_attention_refuses_what_it_cannot_read(change, error):
+    q, k_cache, v_cache, table, chunks, _ = _paged_step([(0, 20)], 16, 8, 128)
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "table": table, "chunks": chunks} | change
+    out = args.pop("out", torch.empty(args["q"].shape))
     with pytest.raises(RuntimeError, match=error):
-        cpu_kernels.prefill_attention(
-            torch.randn(tokens, heads, dim), torch.randn(kv_shape), torch.randn(kv_shape), 1.0
-        )
+        cpu_kernels.prefill_attention(**args, out=out, scale=1.0)
+
+
+def test_prefill_attention_refuses_heads_of_no_whole_number_of_blocks():
+    q, k_cache, v_cache, table, chunks, _ = _paged_step([(0, 9)], 16, 8, 48)
+    with pytest.raises(RuntimeError, match="not a whole number of blocks"):
+        _run(q, k_cache, v_cache, table, chunks, 256)
