@@ -53,10 +53,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--b-args", default="", help="extra `python -m serve` flags of side B, one shell-quoted string")
     args = parser.parse_args(argv)
     for side in ("a", "b"):
+        flags = getattr(args, f"{side}_args")
         try:
-            setattr(args, f"{side}_args", shlex.split(getattr(args, f"{side}_args")))
+            setattr(args, f"{side}_args", shlex.split(flags))
         except ValueError as e:
-            parser.error(f"--{side}-args {getattr(args, f'{side}_args')!r}: {e}")
+            parser.error(f"--{side}-args {flags!r}: {e}")
     try:
         args.streams = [int(s) for s in args.streams.split(",")]
     except ValueError:

@@ -33,7 +33,11 @@ def paged_attention(
 
     Single-token (decode) requests are attended together and multi-token chunks together:
     queries are padded to the longest chunk of their own kind, so a prefill chunk in the
-    step does not make every decode request carry hundreds of padded query rows."""
+    step does not make every decode request carry hundreds of padded query rows. Where the
+    C++ kernels take the chunks (`_kernel_takes`), they go in one `cpu_kernels.prefill_attention`
+    call, read from their pages where they lie, fresh or after cached tokens, alone or not
+    (docs/design.md §13): no padding, and no key tile computed to be masked out. Its output
+    equals SDPA's to rounding, and a chunk's rows are the same however its prompt was cut."""
     blocks, offsets = meta.write_blocks, meta.write_offsets
     if uses_cpu_kernel(k, k_cache):
         cpu_kernels.write_kv(k_cache, v_cache, k, v, blocks, offsets)
@@ -44,11 +48,11 @@ def paged_attention(
         return _attend_decode(
             q, k_cache, v_cache, meta.block_table, meta.padding, batch.positions, meta.decode_mask, scale
         )
-    if _kernel_takes(q, k_cache):
-        return _attend_in_kernels(q, k_cache, v_cache, batch, meta, scale)
     lens = batch.query_lens
     single = [r for r, n in enumerate(lens) if n == 1]
-    if not single:
+    multi = [r for r, n in enumerate(lens) if n > 1]
+    on_kernel = _kernel_takes(q, k_cache)
+    if not single and not on_kernel:
         return _attend_chunks(
             q,
             k_cache,
@@ -62,22 +66,29 @@ def paged_attention(
             scale,
             fresh=not any(batch.num_computed),
         )
-    out = torch.empty_like(q)
-    multi = [r for r, n in enumerate(lens) if n > 1]
+    out = q.new_empty(q.shape)
     device = q.device
-    rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
-    reqs = torch.tensor(single, dtype=torch.long, device=device)
-    table = meta.block_table[reqs]
-    out[rows] = _attend_decode(
-        q[rows],
-        k_cache,
-        v_cache,
-        table,
-        _padding(meta, reqs),
-        batch.positions[rows],
-        None,
-        scale,
-    )
+    if single:
+        rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long, device=device)
+        reqs = torch.tensor(single, dtype=torch.long, device=device)
+        out[rows] = _attend_decode(
+            q[rows],
+            k_cache,
+            v_cache,
+            meta.block_table[reqs],
+            _padding(meta, reqs),
+            batch.positions[rows],
+            None,
+            scale,
+        )
+    if on_kernel:
+        # Every chunk in one call, its rows written where they lie (docs/design.md §13).
+        table = meta.block_table[torch.tensor(multi, dtype=torch.long)] if single else meta.block_table
+        chunks = torch.tensor([(batch.query_start[r], lens[r], batch.num_computed[r]) for r in multi], dtype=torch.long)
+        cpu_kernels.prefill_attention(
+            q, k_cache, v_cache, table, chunks, out, scale, cpu_kernels.installed().vector_bits
+        )
+        return out
     rows = torch.tensor(
         [t for r in multi for t in range(batch.query_start[r], batch.query_start[r + 1])],
         dtype=torch.long,
@@ -172,30 +183,6 @@ def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def _attend_in_kernels(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, meta: AttnMeta, scale: float
-) -> torch.Tensor:
-    """A step with prompt chunks, on the C++ kernels: its single-token requests through the
-    decode kernel, and every chunk through `cpu_kernels.prefill_attention`, read from its pages
-    where they lie, fresh or after cached tokens, alone in its step or not (docs/design.md §13).
-    Chunks come with a CPU prefill engine's 256-token steps and with prefix-cache hits, where
-    SDPA with a mask computed every key tile it then masked out. The output equals SDPA's to
-    rounding, not bit for bit, and a chunk's rows are the same however its prompt was cut."""
-    lens = batch.query_lens
-    out = q.new_empty(q.shape)
-    single = [r for r, n in enumerate(lens) if n == 1]
-    multi = [r for r, n in enumerate(lens) if n > 1]
-    table = meta.block_table
-    if single:
-        rows = torch.tensor([batch.query_start[r] for r in single], dtype=torch.long)
-        reqs = torch.tensor(single, dtype=torch.long)
-        out[rows] = _attend_decode(q[rows], k_cache, v_cache, table[reqs], None, batch.positions[rows], None, scale)
-        table = table[torch.tensor(multi, dtype=torch.long)]
-    chunks = torch.tensor([(batch.query_start[r], lens[r], batch.num_computed[r]) for r in multi], dtype=torch.long)
-    cpu_kernels.prefill_attention(q, k_cache, v_cache, table, chunks, out, scale, cpu_kernels.installed().vector_bits)
-    return out
-
-
 def _attend_chunks(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,8 +208,8 @@ def _attend_chunks(
     left): no mask is built, and SDPA skips the key tiles past each query tile instead of
     computing them and masking them out. On a CPU the output is bit for bit the masked one,
     and a 1024-token dense prompt's first token comes ~11% sooner (docs/design.md §13). Where
-    the C++ kernels run, fp32 with heads of a multiple of 64, `_attend_in_kernels` takes the
-    step instead."""
+    the C++ kernels run, fp32 with heads of a multiple of 64, `paged_attention` sends the
+    chunks to the kernel instead."""
     heads, head_dim = q.shape[1:]
     reqs = table.shape[0]
     keys = _gather(k_cache, table, padding)

@@ -229,6 +229,12 @@ void check_pages(const torch::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.stride(3) == 1, name, "'s head_dim must be contiguous");
 }
 
+// The first `count` blocks of request r's table row, the ones a kernel reads, all in the cache.
+void check_blocks(const int64_t* row, int64_t count, int64_t num_blocks, int64_t r) {
+  for (int64_t b = 0; b < count; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block ", row[b], " of request ", r, " is outside the cache");
+}
+
 // Each new token's K and V into its slot (blocks[i], offsets[i]) of the pages: one call where
 // two indexed assignments each took ~20 us at batch 1.
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
@@ -291,9 +297,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* rows = table.data_ptr<int64_t>();
   for (int64_t r = 0; r < q.size(0); ++r) {
     TORCH_CHECK(pos[r] >= 0 && pos[r] < width * block, "position ", pos[r], " of request ", r, " is outside its table");
-    for (int64_t b = 0; b <= pos[r] / block; ++b)
-      TORCH_CHECK(rows[r * width + b] >= 0 && rows[r * width + b] < num_blocks, "block ", rows[r * width + b],
-                  " of request ", r, " is outside the cache");
+    check_blocks(rows + r * width, pos[r] / block + 1, num_blocks, r);
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
@@ -1040,9 +1044,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
                 start + len, ", position ", pos, ") is outside the step's ", tokens, " tokens");
     const int64_t pages = (pos + len + page - 1) / page;
     TORCH_CHECK(pages <= width, "chunk ", r, " reaches position ", pos + len - 1, ", outside its table");
-    for (int64_t b = 0; b < pages; ++b)
-      TORCH_CHECK(rows[r * width + b] >= 0 && rows[r * width + b] < num_blocks, "block ", rows[r * width + b],
-                  " of request ", r, " is outside the cache");
+    check_blocks(rows + r * width, pages, num_blocks, r);
     slots[r] = pages * page;
     padded[r] = (slots[r] + block - 1) / block * block;
     kt_at[r + 1] = kt_at[r] + kv_heads * padded[r] * dim;
