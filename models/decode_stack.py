@@ -5,9 +5,11 @@ bandwidth, and ~15% the Python and dispatch of its ~400 small calls, while the s
 waits. `DecodeStack` (kernels/cpu/csrc/cpu_kernels.cpp) runs the same kernels and ATen ops in
 the same order as the layers' forward on a step of single-token requests, so its output is
 theirs bit for bit. Built here for Qwen3 (attention with q/k norm and rotation, SwiGLU MLPs)
-and NemotronH (Mamba2, attention, relu^2 MLPs); anything else takes the layers' own forward:
-a prefill chunk in the step, tensor parallelism, a mixture of experts, weights not packed,
-the kernels off, another dtype, attention layers in more than one cache group.
+and NemotronH (Mamba2, attention, relu^2 MLPs), with their mixtures of experts (the routing
+and regrouping of models/moe.py, the experts side by side as models/expert_group.py runs
+them); anything else takes the layers' own forward: a prefill chunk in the step, tensor
+parallelism, Qwen3.5's gated shared expert, weights not packed, the kernels off, another
+dtype, attention layers in more than one cache group.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 from torch import nn
 
 from kernels.cpu import ops as cpu_kernels
+from models import expert_group
 from models.batch import ForwardBatch, LayerCache
 from models.layers import GatedRMSNorm, Linear, ProjectionStacks, RMSNorm, Rotary, StackedLinear
 from models.mamba import Mamba2Mixer
 from models.mlp import GatedMLP, Relu2MLP
+from models.moe import MoE
 
 
 class _Unfused(Exception):
@@ -64,15 +68,47 @@ def _stacked(module: nn.Module, stack: str) -> StackedLinear:
     return fused
 
 
-def _mlp(kernels: Any, stack: Any, norm: nn.Module, mlp: nn.Module) -> None:
+def _dense(kernels: Any, mlp: nn.Module) -> tuple[Any, Any]:
+    """A SwiGLU or relu^2 MLP's two projections, in the C++ view."""
     if isinstance(mlp, GatedMLP):
-        stack.add_swiglu(
-            *_norm(norm), _projection(kernels, _stacked(mlp, "gate_up_proj")), _projection(kernels, mlp.down_proj)
-        )
-    elif isinstance(mlp, Relu2MLP):
-        stack.add_relu2(*_norm(norm), _projection(kernels, mlp.up_proj), _projection(kernels, mlp.down_proj))
+        return _projection(kernels, _stacked(mlp, "gate_up_proj")), _projection(kernels, mlp.down_proj)
+    if isinstance(mlp, Relu2MLP):
+        return _projection(kernels, mlp.up_proj), _projection(kernels, mlp.down_proj)
+    raise _Unfused
+
+
+def _mlp(kernels: Any, stack: Any, norm: nn.Module, mlp: nn.Module) -> None:
+    if isinstance(mlp, MoE):
+        stack.add_moe(*_norm(norm), _moe(kernels, mlp))
+    elif isinstance(mlp, GatedMLP):
+        stack.add_swiglu(*_norm(norm), *_dense(kernels, mlp))
     else:
-        raise _Unfused  # a mixture of experts
+        stack.add_relu2(*_norm(norm), *_dense(kernels, mlp))
+
+
+def _moe(kernels: Any, moe: MoE) -> Any:
+    """A mixture's router, experts, latent projections and shared expert, in the C++ view."""
+    spec = moe.spec
+    if spec.shared_expert_gate:
+        raise _Unfused  # Qwen3.5's, whose linear-attention layers the stack does not run
+    experts = expert_group.build(moe.experts)
+    if experts is None:
+        raise _Unfused
+    correction = _fp32(moe.gate.e_score_correction_bias)[0] if spec.scoring == "sigmoid" else None
+    router = kernels.RouterParams(
+        _fp32(moe.gate.weight)[0],
+        correction,
+        spec.top_k,
+        spec.n_group,
+        spec.topk_group,
+        spec.norm_topk_prob,
+        spec.routed_scaling_factor,
+    )
+    latent = (None, None)
+    if spec.latent_size is not None:
+        latent = (_projection(kernels, moe.fc1_latent_proj), _projection(kernels, moe.fc2_latent_proj))
+    shared = (None, None) if moe.shared_name is None else _dense(kernels, moe.get_submodule(moe.shared_name))
+    return kernels.MoEParams(router, experts, *latent, *shared, spec.gated)
 
 
 def _mamba2(kernels: Any, stack: Any, norm: nn.Module, mixer: Mamba2Mixer) -> None:
@@ -147,7 +183,7 @@ def _build(
         elif kind == "mamba" and isinstance(mixer, Mamba2Mixer):
             _mamba2(kernels, stack, norm, mixer)
             mamba.append(i)
-        elif kind == "mlp":
+        elif kind in ("mlp", "moe"):
             _mlp(kernels, stack, norm, mixer)
         else:
             raise _Unfused

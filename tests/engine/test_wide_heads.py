@@ -1,8 +1,9 @@
 """The engine end to end with heads of 64, where a CPU step's attention runs the C++ kernels
-(docs/design.md §13): prompts cut into chunks by a small step budget, several chunks and decode
-tokens in one step, prefix-cache hits, a tight pool and requests aborted at random points.
-Every request left to finish gives the tokens it gives alone, and every block comes back. The
-other engine tests' checkpoints have heads of 16, which take SDPA."""
+and its decode steps the C++ decode stack (docs/design.md §13), dense and with mixtures of
+experts: prompts cut into chunks by a small step budget, several chunks and decode tokens in
+one step, prefix-cache hits, a tight pool and requests aborted at random points. Every
+request left to finish gives the tokens it gives alone, and every block comes back. The other
+engine tests' checkpoints have heads of 16, which take SDPA."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from engine.config import Config
 from engine.local import build_local_engine
 from engine.messages import SamplingParams
 from kernels.cpu import ops as cpu_kernels
+from models import decode_stack
 from tests.engine.test_core import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3", "nemotron_h_moe", "qwen3_moe"])
 def wide(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"{request.param}-wide")
     save_hf_model(request.param, path, head_dim=64)
@@ -62,6 +64,15 @@ def test_chunked_steps_on_the_kernels_equal_alone(wide, monkeypatch, async_sched
     calls = []
     kernel = cpu_kernels.prefill_attention
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
+    stacked = []
+    decode = decode_stack.decode
+
+    def counted(*args):
+        out = decode(*args)
+        stacked.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_stack, "decode", counted)
     rng = random.Random(3)
     kept = workload(12, seed=5, shared_prefix=12)
     aborted = [([rng.randrange(2, 90) for _ in range(rng.randrange(8, 48))], rng.randrange(0, 6)) for _ in range(8)]
@@ -81,5 +92,6 @@ def test_chunked_steps_on_the_kernels_equal_alone(wide, monkeypatch, async_sched
     assert first == want
     assert again == want
     assert calls, "no step's chunks reached the kernel"
+    assert any(stacked), "no decode step ran on the stack"
     assert stats.num_blocks_free == stats.num_blocks_total
     assert stats.extra["preemptions"] > 0

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -1220,12 +1222,34 @@ struct MambaParams {
   int64_t norm_group;
 };
 
+// A mixture-of-experts MLP's router, as models/moe.py's `Router` holds it: `correction` (the
+// e_score_correction_bias) present means NemotronH's grouped sigmoid choice, absent Qwen's
+// softmax over the experts.
+struct RouterParams {
+  torch::Tensor weight;  // [experts, hidden]
+  c10::optional<torch::Tensor> correction;
+  int64_t top_k, n_group, topk_group;
+  bool norm_topk_prob;
+  double routed_scaling_factor;
+};
+
+// A mixture-of-experts MLP (models/moe.py's `MoE`): its router, its routed experts, NemotronH's
+// latent projections into and out of them, and the shared expert (SwiGLU or relu^2) where the
+// model has one.
+struct MoEParams {
+  RouterParams router;
+  ExpertGroup experts;
+  c10::optional<Projection> latent_in, latent_out, shared_in, shared_out;
+  bool shared_gated;
+};
+
 // A decode step (one token a request) through a model's stack of pre-norm residual blocks,
 // h = h + mixer(rms_norm(h)), as one call: each block runs the same kernels and ATen ops, in
 // the same order, as its Python forward does on such a step (models/decode_stack.py), so the
 // output is the layers' bit for bit. Blocks: attention (Qwen3's with its q/k norm and
-// rotation, or plain), a SwiGLU or relu^2 MLP, a Mamba2 mixer. At batch 1 of a ~0.6B model
-// the Python and dispatch of a step's ~400 calls took ~15% of it, with the other thread idle.
+// rotation, or plain), a SwiGLU or relu^2 MLP, a mixture of experts, a Mamba2 mixer. At batch 1
+// of a ~0.6B model the Python and dispatch of a step's ~400 calls took ~15% of it, with the
+// other thread idle; a mixture's routing and regrouping adds ~20 calls a layer.
 class DecodeStack {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double qk_eps, int64_t panel_rows,
@@ -1250,6 +1274,18 @@ class DecodeStack {
 
   void add_relu2(torch::Tensor norm, double eps, Projection up, Projection down) {
     blocks_.push_back({Kind::kRelu2, std::move(norm), eps, std::move(up), std::move(down)});
+  }
+
+  void add_moe(torch::Tensor norm, double eps, MoEParams params) {
+    TORCH_CHECK(params.router.top_k > 0 && params.router.top_k <= params.router.weight.size(0),
+                "top_k must pick between one and all of the ", params.router.weight.size(0), " experts");
+    TORCH_CHECK(!params.router.correction || params.router.weight.size(0) % params.router.n_group == 0,
+                "the expert groups must divide the experts");
+    TORCH_CHECK(params.latent_in.has_value() == params.latent_out.has_value(), "latent projections come in pairs");
+    TORCH_CHECK(params.shared_in.has_value() == params.shared_out.has_value(), "a shared expert has two projections");
+    Block block{Kind::kMoE, std::move(norm), eps};
+    block.moe = std::make_shared<const MoEParams>(std::move(params));
+    blocks_.push_back(std::move(block));
   }
 
   void add_mamba2(torch::Tensor norm, double eps, Projection in, Projection out, MambaShape shape, MambaParams params) {
@@ -1299,6 +1335,9 @@ class DecodeStack {
         case Kind::kRelu2:
           x = project(b.out, project(b.in, x).relu_().square_());
           break;
+        case Kind::kMoE:
+          x = moe(*b.moe, x);
+          break;
         case Kind::kMamba2: {
           const size_t i = mamba++;
           x = mamba2(b, x, conv_caches[i], ssm_caches[i], slots[i], starts, fresh);
@@ -1311,7 +1350,7 @@ class DecodeStack {
   }
 
  private:
-  enum class Kind { kAttention, kSwiGLU, kRelu2, kMamba2 };
+  enum class Kind { kAttention, kSwiGLU, kRelu2, kMoE, kMamba2 };
 
   struct Block {
     Kind kind;
@@ -1321,9 +1360,64 @@ class DecodeStack {
     c10::optional<torch::Tensor> qk_norm;
     MambaShape shape{};
     MambaParams mamba{};
+    std::shared_ptr<const MoEParams> moe;
   };
 
   torch::Tensor project(const Projection& p, torch::Tensor x) const { return run(p, x, panel_rows_, vector_bits_); }
+
+  // models/moe.py's `Router.forward`: each token's chosen experts [tokens, top_k] and weights.
+  static std::tuple<torch::Tensor, torch::Tensor> route(const RouterParams& r, const torch::Tensor& x) {
+    auto logits = at::linear(x, r.weight);
+    if (!r.correction.has_value()) {
+      auto [weights, ids] = at::softmax(logits, -1, at::kFloat).topk(r.top_k, -1);
+      if (r.norm_topk_prob) weights = weights / weights.sum(-1, true);
+      return {weights.to(logits.scalar_type()), ids};
+    }
+    const int64_t experts = r.weight.size(0);
+    auto scores = logits.sigmoid();
+    auto choice = scores + *r.correction;
+    if (r.n_group > 1) {
+      auto groups = choice.view({-1, r.n_group, experts / r.n_group});
+      auto group_scores = std::get<0>(groups.topk(2, -1)).sum(-1);
+      auto best = std::get<1>(group_scores.topk(r.topk_group, -1, true, false));
+      auto keep = at::zeros_like(group_scores, at::kBool).scatter_(1, best, true);
+      choice = groups.masked_fill(keep.logical_not().unsqueeze(-1), -std::numeric_limits<double>::infinity())
+                   .view({-1, experts});
+    }
+    auto ids = std::get<1>(choice.topk(r.top_k, -1, true, false));
+    auto weights = scores.gather(1, ids);
+    if (r.norm_topk_prob) weights = weights / (weights.sum(-1, true) + 1e-20);
+    return {weights * r.routed_scaling_factor, ids};
+  }
+
+  // models/moe.py's `run_experts` and `MoE.forward`: the (token, k) pairs sorted by expert
+  // once, the experts side by side on their rows, the weighted rows summed back per token.
+  torch::Tensor moe(const MoEParams& m, const torch::Tensor& x) const {
+    auto [weights, ids] = route(m.router, x);
+    const int64_t tokens = ids.size(0), top_k = ids.size(1);
+    auto flat = ids.reshape(-1);
+    auto order = at::argsort(flat, true);
+    auto counted = at::bincount(flat, {}, m.router.weight.size(0));
+    const int64_t* c = counted.data_ptr<int64_t>();
+    const std::vector<int64_t> counts(c, c + counted.numel());
+    auto inner = m.latent_in ? project(*m.latent_in, x) : x;
+    auto rows = inner.index_select(0, order.div(top_k, "floor"));
+    auto grouped = m.experts.forward(rows.contiguous(), counts);
+    auto y = grouped * weights.reshape({-1, 1}).index_select(0, order);
+    auto out = y.index_select(0, at::argsort(order)).view({tokens, top_k, -1}).sum(1).to(x.scalar_type());
+    if (m.latent_out) out = project(*m.latent_out, out);
+    if (m.shared_in) {
+      auto shared = project(*m.shared_in, x);
+      if (m.shared_gated) {
+        const int64_t inter = shared.size(1) / 2;
+        shared = at::silu(shared.narrow(1, 0, inter)).mul_(shared.narrow(1, inter, inter));
+      } else {
+        shared.relu_().square_();
+      }
+      out = out + project(*m.shared_out, shared);
+    }
+    return out;
+  }
 
   torch::Tensor attend(const Block& b, const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache,
                        const torch::Tensor& write_blocks, const torch::Tensor& write_offsets,
@@ -1422,11 +1516,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<bool, int64_t, int64_t>())
       .def("add", &ExpertGroup::add)
       .def("forward", &ExpertGroup::forward, released);
+  pybind11::class_<RouterParams>(m, "RouterParams")
+      .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, bool, double>());
+  pybind11::class_<MoEParams>(m, "MoEParams")
+      .def(pybind11::init<RouterParams, ExpertGroup, c10::optional<Projection>, c10::optional<Projection>,
+                          c10::optional<Projection>, c10::optional<Projection>, bool>());
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("add_attention", &DecodeStack::add_attention)
       .def("add_swiglu", &DecodeStack::add_swiglu)
       .def("add_relu2", &DecodeStack::add_relu2)
+      .def("add_moe", &DecodeStack::add_moe)
       .def("add_mamba2", &DecodeStack::add_mamba2)
       .def("forward", &DecodeStack::forward, released);
 }
