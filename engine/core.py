@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from engine.messages import (
     ENGINE_FAILURE,
@@ -42,10 +43,36 @@ log = logging.getLogger(__name__)
 
 # Called synchronously when a step is dispatched (so steps reach each worker in order);
 # the awaitable resolves with the worker's result.
-_POLL_INTERVAL_S = 0.002
 _STALL_RECHECK_S = 0.05
 
 StepExecutor = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]]
+
+
+@dataclass(slots=True)
+class PollPause:
+    """How long the engine waits after a step that computed no token (it only polled KV
+    transfers) before the next: `first` after a step that computed, doubling with each
+    polling step in a row up to `longest`. A decode engine's load of a short prompt lands in a
+    millisecond or two; a fixed 2 ms pause made it wait for the next poll, where the doubling
+    looks again soon and still bounds the round trips a long transfer costs (docs/design.md
+    §9)."""
+
+    first: float = 0.00025
+    longest: float = 0.002
+    _next: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._next = self.first
+
+    def reset(self) -> None:
+        """A step computed some token: the next polling step starts short again."""
+        self._next = self.first
+
+    def take(self) -> float:
+        """The pause after this polling step."""
+        pause = self._next
+        self._next = min(2 * pause, self.longest)
+        return pause
 
 
 def prompt_tokens(out: SchedulerOutput) -> int:
@@ -91,6 +118,7 @@ class EngineCore:
         self._failure: BaseException | None = None
         self.num_steps = 0
         self.phases = RequestPhases()
+        self.poll_pause = PollPause()
 
     # -- client side ------------------------------------------------------------------
 
@@ -260,8 +288,10 @@ class EngineCore:
                 flight.popleft()
                 self.num_steps += 1
                 self._publish(self.scheduler.update_from_output(out, self.merger.merge(results)))
-                if not out.num_scheduled_tokens:
-                    await asyncio.sleep(_POLL_INTERVAL_S)  # only polling transfers: do not spin
+                if out.num_scheduled_tokens:
+                    self.poll_pause.reset()
+                else:
+                    await asyncio.sleep(self.poll_pause.take())  # only polling transfers: do not spin
                 continue
             if not self.scheduler.has_work():
                 await self._wake.wait()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future
 
-from engine.core import _POLL_INTERVAL_S, EngineCore
+from engine.core import EngineCore, PollPause
 from engine.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop import StopChecker
@@ -75,9 +75,9 @@ async def warm(core: EngineCore, steps: Steps, clock: Clock, step_s: float) -> N
         steps.end_first()
         await settle()
     await core.wait_idle()
-    # Its last step planned no tokens, after which the loop pauses for a poll interval; that
-    # timer was set before this one, so it fires first.
-    await asyncio.sleep(2 * _POLL_INTERVAL_S)
+    # Its last step planned no tokens, after which the loop pauses for at most the longest
+    # poll pause; that timer was set before this one, so it fires first.
+    await asyncio.sleep(2 * PollPause().longest)
 
 
 def test_with_no_estimate_a_prompt_step_is_waited_for_and_arrivals_join_the_next():
