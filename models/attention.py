@@ -81,9 +81,10 @@ def paged_attention(
             None,
             scale,
         )
+    reqs = torch.tensor(multi, dtype=torch.long, device=device)
     if on_kernel:
         # Every chunk in one call, its rows written where they lie (docs/design.md §13).
-        table = meta.block_table[torch.tensor(multi, dtype=torch.long)] if single else meta.block_table
+        table = meta.block_table[reqs] if single else meta.block_table
         chunks = torch.tensor([(batch.query_start[r], lens[r], batch.num_computed[r]) for r in multi], dtype=torch.long)
         cpu_kernels.prefill_attention(
             q, k_cache, v_cache, table, chunks, out, scale, cpu_kernels.installed().vector_bits
@@ -94,7 +95,6 @@ def paged_attention(
         dtype=torch.long,
         device=device,
     )
-    reqs = torch.tensor(multi, dtype=torch.long, device=device)
     token_req = torch.tensor([i for i, r in enumerate(multi) for _ in range(lens[r])], dtype=torch.long, device=device)
     out[rows] = _attend_chunks(
         q[rows],

@@ -91,7 +91,7 @@ def _moe(kernels: Any, moe: MoE) -> Any:
     spec = moe.spec
     if spec.shared_expert_gate:
         raise _Unfused  # Qwen3.5's, whose linear-attention layers the stack does not run
-    experts = expert_group.build(moe.experts)
+    experts = expert_group.group(moe.experts)
     if experts is None:
         raise _Unfused
     correction = _fp32(moe.gate.e_score_correction_bias)[0] if spec.scoring == "sigmoid" else None

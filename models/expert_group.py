@@ -57,10 +57,16 @@ def build(experts: nn.ModuleList) -> Any | None:
 _GROUPS: cpu_kernels.PerChoice[nn.ModuleList, Any | None] = cpu_kernels.PerChoice(build)
 
 
+def group(experts: nn.ModuleList) -> Any | None:
+    """The layer's group under the installed kernel choice, built once for it (the decode stack
+    runs the same one: models/decode_stack.py), or None where it cannot run."""
+    return _GROUPS.get(experts)
+
+
 def forward(experts: nn.ModuleList, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
     """Each row's expert output: `rows` [R, hidden] hold `counts[e]` rows of expert e, in
     expert order. None where the group does not run these rows (the caller then loops)."""
     if torch.is_grad_enabled() or rows.dtype != torch.float32 or rows.device.type != "cpu":
         return None
-    group = _GROUPS.get(experts)
-    return None if group is None else group.forward(rows.contiguous(), counts)
+    built = group(experts)
+    return None if built is None else built.forward(rows.contiguous(), counts)

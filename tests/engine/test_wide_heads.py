@@ -20,6 +20,7 @@ from kernels.cpu import ops as cpu_kernels
 from models import decode_stack
 from tests.engine.test_core import alone, serve_all, workload
 from tests.models.hf_fixtures import save_hf_model
+from tests.models.test_decode_stack import CountingStack
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "qwen3", "nemotron_h_moe", "qwen3_moe"])
@@ -64,15 +65,8 @@ def test_chunked_steps_on_the_kernels_equal_alone(wide, monkeypatch, async_sched
     calls = []
     kernel = cpu_kernels.prefill_attention
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
-    stacked = []
-    decode = decode_stack.decode
-
-    def counted(*args):
-        out = decode(*args)
-        stacked.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode_stack, "decode", counted)
+    stacked = CountingStack(decode_stack.decode)
+    monkeypatch.setattr(decode_stack, "decode", stacked)
     rng = random.Random(3)
     kept = workload(12, seed=5, shared_prefix=12)
     aborted = [([rng.randrange(2, 90) for _ in range(rng.randrange(8, 48))], rng.randrange(0, 6)) for _ in range(8)]
@@ -92,6 +86,6 @@ def test_chunked_steps_on_the_kernels_equal_alone(wide, monkeypatch, async_sched
     assert first == want
     assert again == want
     assert calls, "no step's chunks reached the kernel"
-    assert any(stacked), "no decode step ran on the stack"
+    assert stacked.fused, "no decode step ran on the stack"
     assert stats.num_blocks_free == stats.num_blocks_total
     assert stats.extra["preemptions"] > 0

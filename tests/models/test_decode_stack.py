@@ -53,7 +53,7 @@ def _model(path):
     return cfg, model
 
 
-class _Counting:
+class CountingStack:
     """`decode_stack.decode`, counting the steps the fused stack ran."""
 
     def __init__(self, real):
@@ -104,7 +104,7 @@ def test_fused_decode_is_the_layers_bit_for_bit(checkpoint, monkeypatch, panel_r
     cfg, model = _model(checkpoint)
     _, plain = _model(checkpoint)  # the same weights, packed again
     with cpu_kernels.using(dataclasses.replace(choice, panel_rows=panel_rows, vector_bits=vector_bits)):
-        counting = _Counting(decode_stack.decode)
+        counting = CountingStack(decode_stack.decode)
         monkeypatch.setattr(decode_stack, "decode", counting)
         fused_logits, fused_pages = _run(model, cfg)
         assert counting.fused == STEPS  # every decode step, and not the prefill

@@ -1135,6 +1135,14 @@ torch::Tensor run(const Projection& p, torch::Tensor x, int64_t panel_rows, int6
   return onednn_linear(x, p.packed, p.bias);
 }
 
+// An MLP's activation on its first projection's output `h`, as models/mlp.py takes it: SwiGLU
+// (gate and up stacked: silu(gate) * up) or relu^2, in place where no gradient is recorded.
+torch::Tensor activate(torch::Tensor h, bool gated) {
+  if (!gated) return h.relu_().square_();
+  const int64_t inter = h.size(1) / 2;
+  return at::silu(h.narrow(1, 0, inter)).mul_(h.narrow(1, inter, inter));
+}
+
 // The routed experts of a mixture-of-experts layer (models/moe.py), each a SwiGLU or relu^2
 // MLP, run side by side: the threads take whole experts from a shared counter, largest share
 // of rows first, and each expert's matmuls run on the one thread that took it (a call inside
@@ -1186,13 +1194,7 @@ class ExpertGroup {
            i = next.fetch_add(1, std::memory_order_relaxed)) {
         const int64_t e = order[i];
         const Expert& expert = experts_[e];
-        auto h = run(expert.first, rows.narrow(0, start[e], counts[e]), panel_rows_, vector_bits_);
-        if (gated_) {
-          const int64_t inter = h.size(1) / 2;
-          h = at::silu(h.narrow(1, 0, inter)).mul_(h.narrow(1, inter, inter));
-        } else {
-          h.relu_().square_();
-        }
+        auto h = activate(run(expert.first, rows.narrow(0, start[e], counts[e]), panel_rows_, vector_bits_), gated_);
         out.narrow(0, start[e], counts[e]).copy_(run(expert.second, h, panel_rows_, vector_bits_));
       }
     });
@@ -1326,14 +1328,11 @@ class DecodeStack {
           x = attend(b, x, k_caches[i], v_caches[i], *write_blocks, *write_offsets, *table, positions, cos, sin);
           break;
         }
-        case Kind::kSwiGLU: {
-          auto gate_up = project(b.in, x);
-          const int64_t inter = gate_up.size(1) / 2;
-          x = project(b.out, at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter)));
+        case Kind::kSwiGLU:
+          x = project(b.out, activate(project(b.in, x), true));
           break;
-        }
         case Kind::kRelu2:
-          x = project(b.out, project(b.in, x).relu_().square_());
+          x = project(b.out, activate(project(b.in, x), false));
           break;
         case Kind::kMoE:
           x = moe(*b.moe, x);
@@ -1406,16 +1405,7 @@ class DecodeStack {
     auto y = grouped * weights.reshape({-1, 1}).index_select(0, order);
     auto out = y.index_select(0, at::argsort(order)).view({tokens, top_k, -1}).sum(1).to(x.scalar_type());
     if (m.latent_out) out = project(*m.latent_out, out);
-    if (m.shared_in) {
-      auto shared = project(*m.shared_in, x);
-      if (m.shared_gated) {
-        const int64_t inter = shared.size(1) / 2;
-        shared = at::silu(shared.narrow(1, 0, inter)).mul_(shared.narrow(1, inter, inter));
-      } else {
-        shared.relu_().square_();
-      }
-      out = out + project(*m.shared_out, shared);
-    }
+    if (m.shared_in) out = out + project(*m.shared_out, activate(project(*m.shared_in, x), m.shared_gated));
     return out;
   }
 
