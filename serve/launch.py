@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from actors.ports import free_port
 from engine.config import Config
 from serve.app import build_app
 from serve.controller import CONTROLLER_NAME, RemoteController, controller_options, stop_controller
@@ -39,6 +41,7 @@ class Deployment:
     engines: dict[str, Any] = field(default_factory=dict)  # the engines started: name -> EngineActor handle
     controller: Any = None  # the engine controller this process created (and stops)
     serving: bool = False
+    direct_ingress: bool = False  # the API replica serves HTTP itself (`direct_ingress`)
 
     @property
     def url(self) -> str:
@@ -52,6 +55,7 @@ QUIET_LOCAL_CLUSTER = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    "RAY_worker_niceness": "0",
 }
 """Settings of a cluster raypd starts itself (docs/design.md §14), each overridden by the same
 variable in the environment. Serve's controller reconciles every 0.1 s by default; an idle
@@ -62,12 +66,36 @@ them, a second later at most. The proxy and each replica flush Serve's request m
 0.1 s by default, ~0.4% of a core each while idle; every second, Serve's metrics lag by a
 second more.
 
-The other four are Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode less its direct ingress (which
-leaves no proxy on the port without HAProxy): the proxy streams to the replicas over gRPC, the
+The next four are Ray's `RAY_SERVE_THROUGHPUT_OPTIMIZED` mode less its direct ingress (which
+`direct_ingress` turns on where it can): the proxy streams to the replicas over gRPC, the
 app's code and Serve's router run on the replica's own event loop, not a thread and a loop of
 their own, and request-path log lines are written 1000 at a time (an ERROR line at once). Each
 streamed token costs the proxy about a third less CPU and the replica a fifth less, taken from
-the forward's cores on a laptop (BENCHMARKS.md, `bench.peers_real`)."""
+the forward's cores on a laptop (BENCHMARKS.md, `bench.peers_real`).
+
+Every process Ray starts runs at normal priority, Serve's too: at Ray's default nice 15 the
+proxy, which every request and every streamed token passes through, got a sliver of a core
+beside a forward computing on all of them, and 32 requests sent at once reached the engine
+over 2-4 s instead of together (serve/placement.py says the same of raypd's own actors)."""
+
+
+def direct_ingress(cfg: Config) -> dict[str, str]:
+    """Serve's direct ingress for the one API replica of a cluster raypd starts: the replica
+    serves HTTP itself on `--port` and Serve starts no proxy, so a request and each token it
+    streams cross one process fewer (docs/design.md §14). Serve gives each ingress replica a
+    port of its own from a range, and without a load balancer in front (HAProxy) only one
+    replica can own `--port`; with `--api-replicas` above 1 Serve's proxy stays and spreads
+    requests over them. A replica Serve restarts takes the port again at once (no quarantine:
+    no balancer still routes to the old one), and stopping drains no balancer either."""
+    if cfg.api_replicas != 1:
+        return {}
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(cfg.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(cfg.port + 1),  # the range ends before it
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
 
 
 def quiet_local_cluster() -> None:
@@ -75,6 +103,23 @@ def quiet_local_cluster() -> None:
     cluster it starts next with ray.init read it; a variable already set is left as it is."""
     for name, value in QUIET_LOCAL_CLUSTER.items():
         os.environ.setdefault(name, value)
+
+
+@contextlib.contextmanager
+def environ_for_cluster(values: dict[str, str]) -> Iterator[bool]:
+    """`values` in this process's environment while a local cluster starts (its processes copy
+    the environment then), and the environment as it was afterwards, so a later cluster of this
+    process (a test's, another port) does not inherit them. Yields whether they were applied:
+    as a group, and not where the environment already sets any of them (the user chose)."""
+    if not values or any(name in os.environ for name in values):
+        yield False
+        return
+    os.environ.update(values)
+    try:
+        yield True
+    finally:
+        for name in values:
+            del os.environ[name]
 
 
 def start(cfg: Config, **ray_init: Any) -> Deployment:
@@ -91,13 +136,14 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
                 quiet_local_cluster()
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
                 # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
-                ray.init(
-                    address="local",
-                    namespace=NAMESPACE,
-                    num_cpus=max(8, os.cpu_count() or 1),
-                    logging_level=logging.getLevelNamesMapping()[cfg.log_level],
-                    **({"include_dashboard": cfg.ray_dashboard} | ray_init),
-                )
+                with environ_for_cluster(direct_ingress(cfg)) as dep.direct_ingress:
+                    ray.init(
+                        address="local",
+                        namespace=NAMESPACE,
+                        num_cpus=max(8, os.cpu_count() or 1),
+                        logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+                        **({"include_dashboard": cfg.ray_dashboard} | ray_init),
+                    )
                 dep.started_cluster = True
             else:
                 _join(cfg)
@@ -106,7 +152,10 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
         engines = ray.get(dep.controller.start.remote())
         dep.engines.update(engines.prefill)
         dep.engines.update(engines.decode)
-        serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"log_level": cfg.log_level})
+        # With direct ingress Serve still starts a proxy on the head node, which would take the
+        # port from the replica: it gets one of its own, and nothing is sent to it.
+        proxy_port = free_port() if dep.direct_ingress else cfg.port
+        serve.start(http_options={"host": cfg.host, "port": proxy_port}, logging_config={"log_level": cfg.log_level})
         dep.serving = True
         serve.run(build_app(cfg, NAMESPACE), name=APP_NAME, route_prefix="/")
     except BaseException:

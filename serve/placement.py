@@ -15,7 +15,8 @@ raypd's engines, workers and API replicas are the service itself, and at nice 15
 process on the node (a client, an agent, a neighbour's busy loop) takes a core from a forward
 the moment it wants one. Ray reads the setting from the new process's environment, so the
 actor's `runtime_env` carries it (as Ray's job supervisor does for drivers); no privilege is
-needed, since the process never lowers its niceness.
+needed, since the process never lowers its niceness. A cluster raypd starts itself runs every
+worker at 0 (serve/launch.py), Serve's proxy and controller among them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,23 @@ def without_a_worker() -> dict[int, str]:
     return found
 
 
+def listener(port: int) -> int:
+    """The pid of the process listening on `port` of 127.0.0.1 (from /proc/net/tcp and each
+    process's open sockets)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # 127.0.0.1, LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue  # the process ended meanwhile, or is not ours to read
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
 def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -106,10 +123,26 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         below = {pid: title(pid) for pid in descendants(proc.pid)}
         assert any(t.startswith("ray::ProxyActor") for t in below.values()), below
         assert not [t for t in below.values() if t.startswith("ray-dashboard-")], below
-        # Serve runs as in every cluster raypd starts (serve/launch.py, QUIET_LOCAL_CLUSTER).
+        # Serve runs as in every cluster raypd starts (serve/launch.py, QUIET_LOCAL_CLUSTER),
+        # its processes at normal priority too.
         (proxy,) = [pid for pid, t in below.items() if t.startswith("ray::ProxyActor")]
         environ = set(Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0"))
         assert {f"{k}={v}".encode() for k, v in QUIET_LOCAL_CLUSTER.items()} <= environ
+        assert os.getpriority(os.PRIO_PROCESS, proxy) == 0
+        # The one API replica serves the port itself (Serve's direct ingress, launch.direct_ingress);
+        # Serve's proxy, which it still starts, listens elsewhere and carries nothing.
+        port = int(url.rsplit(":", 1)[1])
+        replica = listener(port)
+        assert title(replica).startswith("ray::ServeReplica:raypd"), title(replica)
+        assert os.getpriority(os.PRIO_PROCESS, replica) == 0
+        # A replica that dies is restarted by Serve on the same port, at once.
+        os.kill(replica, signal.SIGKILL)
+        wait_until_up(proc, url, log)
+        assert listener(port) != replica and title(listener(port)).startswith("ray::ServeReplica:raypd")
+        r = httpx.post(
+            url + "/v1/completions", json={"model": card["id"], "prompt": "t1 t2", "max_tokens": 4}, timeout=30
+        )
+        assert r.status_code == 200, r.text
     except BaseException:
         proc.kill()
         proc.wait()
