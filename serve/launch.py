@@ -81,8 +81,8 @@ over 2-4 s instead of together (serve/placement.py says the same of raypd's own 
 
 def direct_ingress(cfg: Config) -> dict[str, str]:
     """Serve's direct ingress for the one API replica of a cluster raypd starts: the replica
-    serves HTTP itself on `--port` and Serve starts no proxy, so a request and each token it
-    streams cross one process fewer (docs/design.md §14). Serve gives each ingress replica a
+    serves HTTP itself on `--port` and Serve's proxy carries nothing, so a request and each
+    token it streams cross one process fewer (docs/design.md §14). Serve gives each ingress replica a
     port of its own from a range, and without a load balancer in front (HAProxy) only one
     replica can own `--port`; with `--api-replicas` above 1 Serve's proxy stays and spreads
     requests over them. A replica Serve restarts takes the port again at once (no quarantine:
