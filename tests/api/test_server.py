@@ -374,12 +374,29 @@ def test_metrics_break_requests_down_by_phase_and_count_kv_transfers(server, htt
 
 
 def test_the_service_runs_at_normal_priority(server):
-    """Ray starts worker processes at nice 15; the engines, their workers and the API replica
-    are the service and run at 0 (serve/placement.py), while Ray's own actors keep Ray's 15."""
+    """Ray starts worker processes at nice 15. The engines, their workers and the API replica
+    ask for 0 wherever they run (serve/placement.py); a cluster raypd starts, as this one runs,
+    starts every worker at 0, Serve's proxy included (serve/launch.py, QUIET_LOCAL_CLUSTER)."""
     nice: dict[str, set[int]] = {}
     for actor in ray._private.state.actors(actor_state_name="ALIVE").values():
         kind = actor["ActorClassName"].split(":")[0]  # Serve names its replicas' classes per app
         nice.setdefault(kind, set()).add(os.getpriority(os.PRIO_PROCESS, actor["Pid"]))
-    for kind in ("EngineActor", "WorkerActor", "ServeReplica"):
+    for kind in ("EngineActor", "WorkerActor", "ServeReplica", "ProxyActor"):
         assert nice[kind] == {0}, kind
-    assert nice["ProxyActor"] == {15}
+
+
+@ray.remote(num_cpus=0)
+class _Niceness:
+    def get(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_an_actors_runtime_env_sets_its_niceness(ray_cluster):
+    """What serve/placement.py's NORMAL_PRIORITY relies on, on a cluster raypd did not start
+    (whose workers Ray starts at 15): the variable in an actor's runtime_env sets its process's
+    niceness. Here the cluster's default is 0, so the check asks for 15 instead."""
+    actor = _Niceness.options(runtime_env={"env_vars": {"RAY_worker_niceness": "15"}}).remote()
+    try:
+        assert ray.get(actor.get.remote(), timeout=60) == 15
+    finally:
+        ray.kill(actor)
