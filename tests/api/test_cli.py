@@ -138,7 +138,8 @@ def test_serve_cli_starts_answers_and_stops_on_ctrl_c(tmp_path):
         # A replica that dies is restarted by Serve on the same port, at once.
         os.kill(replica, signal.SIGKILL)
         wait_until_up(proc, url, log)
-        assert listener(port) != replica and title(listener(port)).startswith("ray::ServeReplica:raypd")
+        restarted = listener(port)
+        assert restarted != replica and title(restarted).startswith("ray::ServeReplica:raypd")
         r = httpx.post(
             url + "/v1/completions", json={"model": card["id"], "prompt": "t1 t2", "max_tokens": 4}, timeout=30
         )
