@@ -50,6 +50,17 @@ def cpu_features() -> frozenset[str]:
     )
 
 
+@cache
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD); "" where it
+    cannot be read."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+
+
 def _cpu_flags() -> list[str]:
     """AVX2 and FMA where this CPU has them: the kernels' inner loops are 64-float dot
     products and updates, twice as wide as with the SSE2 that x86-64 guarantees. Not
@@ -418,17 +429,22 @@ def panel_vector_bits() -> int:
     return int(kernels.panel_vector_bits())
 
 
-def panel_row_limit(vector_bits: int = 0, weight_bytes: int = 0) -> int:
+def panel_row_limit(vector_bits: int = 0, weight_bytes: int = 0, vendor: str | None = None) -> int:
     """Up to how many rows `panel_linear` at `vector_bits` (0: this CPU's widest) beats oneDNN
-    for a model whose weights take `weight_bytes` (0: a small one) (docs/design.md §13). With
-    AVX2, against oneDNN capped to AVX2, 1.2-1.5x at one to sixteen rows, weights streamed from
-    memory, on one core and two. With AVX-512 it depends on where the weights come from: a
-    bench model's (within the last-level cache) decode steps of 4 and 8 rows ran 1.2-1.3x
-    faster on 2 threads, but with a real-size model's streamed from memory the kernel only
-    matches oneDNN at one and two rows, and a 4-row step ran 1.6x slower."""
+    for a model whose weights take `weight_bytes` (0: a small one) on a CPU of `vendor` (None:
+    this one's) (docs/design.md §13). With AVX2, against oneDNN capped to AVX2, 1.2-1.5x at one
+    to sixteen rows, weights streamed from memory, on one core and two. With AVX-512 it depends
+    on where the weights come from and on the CPU: a bench model's (within the last-level
+    cache) decode steps of 4 and 8 rows ran 1.2-1.3x faster on 2 threads; with a real-size
+    model's streamed from memory, the kernel only matched oneDNN at one and two rows on an
+    Intel Xeon, where a 4-row step ran 1.6x slower, but on an AMD EPYC (Zen 4) it beat oneDNN
+    at three to six rows (1.2x at four), one group of rows sharing one pass over the stream,
+    and from seven (two groups) it only matches it."""
     if (vector_bits or panel_vector_bits()) != 512:
         return 16
-    return 8 if weight_bytes <= last_level_cache_bytes() else 2
+    if weight_bytes <= last_level_cache_bytes():
+        return 8
+    return 6 if (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD" else 2
 
 
 @cache
