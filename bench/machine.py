@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu.ops import cpu_features
+from kernels.cpu.ops import cpu_features, cpuinfo_field
 
 # The flags the kernels and the engines' matmuls depend on, in the order they are printed.
 FLAGS = (
@@ -56,12 +56,10 @@ FLAGS = (
 _REPO = Path(__file__).resolve().parent.parent
 
 
-def cpu_model_name(cpuinfo: str) -> str:
-    """The `model name` line of a /proc/cpuinfo text ("unknown CPU" where there is none)."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+def cpu_model_name(cpuinfo: str | None = None) -> str:
+    """The `model name` line of a /proc/cpuinfo text (None: this machine's); "unknown CPU" where
+    there is none."""
+    return cpuinfo_field("model name", cpuinfo) or "unknown CPU"
 
 
 def flags_line(model: str, cores: int, features: frozenset[str]) -> str:
@@ -77,11 +75,7 @@ def cpu_flags(features: frozenset[str] | None = None) -> dict[str, bool]:
 
 
 def cpu_line() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    return flags_line(cpu_model_name(info), os.cpu_count() or 1, cpu_features())
+    return flags_line(cpu_model_name(), os.cpu_count() or 1, cpu_features())
 
 
 def read_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> float:

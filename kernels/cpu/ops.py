@@ -37,28 +37,34 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 
 
-def _cpuinfo_field(name: str) -> str:
-    """The value of /proc/cpuinfo's first `name` line (the first CPU's); "" where there is none
-    or the file cannot be read."""
+@cache
+def _cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once a process; "" where it cannot be read."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name)), "")
+
+
+def cpuinfo_field(name: str, info: str | None = None) -> str:
+    """The value of the first `name` line (the first CPU's) of a /proc/cpuinfo text (None: this
+    machine's); "" where there is none."""
+    text = _cpuinfo() if info is None else info
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name)), "")
 
 
 @cache
 def cpu_features() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (avx2, fma, avx512f, ...); none
     where it cannot be read."""
-    return frozenset(_cpuinfo_field("flags").split())
+    return frozenset(cpuinfo_field("flags").split())
 
 
 @cache
 def cpu_vendor() -> str:
     """This CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD); "" where it
     cannot be read."""
-    return _cpuinfo_field("vendor_id")
+    return cpuinfo_field("vendor_id")
 
 
 def _cpu_flags() -> list[str]:
