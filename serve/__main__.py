@@ -81,7 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         launch.leave(dep)
         return 0
-    signal.signal(signal.SIGTERM, on_signal)  # ray.init installed its own
     try:
         if not stopping.is_set():
             print(

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,7 +138,7 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
                 quiet_local_cluster()
                 # Control-plane actors take no CPU; a generous logical count keeps the rest placeable
                 # on a small machine (Ray's CPU accounting runs out fast on 2 cores).
-                with environ_for_cluster(direct_ingress(cfg)) as dep.direct_ingress:
+                with environ_for_cluster(direct_ingress(cfg)) as dep.direct_ingress, keeping_sigterm():
                     ray.init(
                         address="local",
                         namespace=NAMESPACE,
@@ -164,6 +166,22 @@ def start(cfg: Config, **ray_init: Any) -> Deployment:
     return dep
 
 
+@contextlib.contextmanager
+def keeping_sigterm() -> Iterator[None]:
+    """Put the caller's Python SIGTERM handler back once the body (a `ray.init`) is done.
+
+    ray.init installs Ray's own handler in C, which prints a stack trace and aborts the
+    process: a `kill` (or `docker stop`) during the rest of a start, which loads a model and
+    can take minutes, killed `python -m serve` with SIGABRT and left the local cluster's
+    processes running, where the caller's handler stops the service as Ctrl-C does."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
 def cluster_address(cfg: Config) -> str | None:
     """The cluster to join: `--address`, else RAY_ADDRESS (set for a `ray job submit` entrypoint),
     else None: start a local one."""
@@ -172,11 +190,12 @@ def cluster_address(cfg: Config) -> str | None:
 
 def _join(cfg: Config) -> None:
     try:
-        ray.init(
-            address=cluster_address(cfg),
-            namespace=NAMESPACE,
-            logging_level=logging.getLevelNamesMapping()[cfg.log_level],
-        )
+        with keeping_sigterm():
+            ray.init(
+                address=cluster_address(cfg),
+                namespace=NAMESPACE,
+                logging_level=logging.getLevelNamesMapping()[cfg.log_level],
+            )
     except ConnectionError as e:
         # Ray enables token auth only for clusters it finds itself, never for an explicit address.
         if os.environ.get("RAY_AUTH_MODE") is None:
