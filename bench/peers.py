@@ -41,6 +41,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
+from bench.machine import Measured
 from bench.peer_client import Sample, drive
 from bench.peer_models import VOCAB, make
 from bench.peer_servers import KV_CACHE_GIB, REPO, raypd_command, serving, vllm_command, vllm_env
@@ -184,17 +185,23 @@ def offline_runs(
 
 
 def served_colocated(
-    model: Path, kind: str, args: argparse.Namespace, log_dir: Path, names: Sequence[str] = ("raypd", "vllm")
+    model: Path,
+    kind: str,
+    args: argparse.Namespace,
+    log_dir: Path,
+    names: Sequence[str] = ("raypd", "vllm"),
+    probe: Callable[[], Measured] | None = None,
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """The colocated servers of engines `names`, each up alone in turn (`served_alone`), in
-    that order, `--rounds` times; each server's log is `log_dir/{kind}-{name}-server.log`."""
+    """The colocated servers of engines `names`, each up alone in turn (`served_alone`, which
+    runs `probe` around the 1-stream runs), in that order, `--rounds` times; each server's log
+    is `log_dir/{kind}-{name}-server.log`."""
     commands: dict[str, Callable[[int], list[str]]] = {
         "raypd": lambda port: raypd_command(model, kind, port, args.threads, max(args.streams)),
         "vllm": lambda port: vllm_command(args.vllm_python, model, kind, port, max(args.streams)),
     }
     env = vllm_env(args.threads)
     servers = {name: partial(serving, commands[name], env, log_dir / f"{kind}-{name}-server.log") for name in names}
-    return served_alone(servers, kind, args)
+    return served_alone(servers, kind, args, probe=probe)
 
 
 def served_alone(
@@ -202,6 +209,7 @@ def served_alone(
     model: str,
     args: argparse.Namespace,
     min_requests: int = 0,
+    probe: Callable[[], Measured] | None = None,
 ) -> dict[str, dict[int, dict[str, float]]]:
     """`args.rounds` times, each server in turn brought up by `servers[name]()` (a context
     manager yielding its base URL), driven at each of `args.streams` (every run started on a
@@ -209,12 +217,20 @@ def served_alone(
     then brought down before the next comes up; per server and stream count the summary of its
     rounds.
 
+    `probe` measures the machine (bench/machine.py) right before and right after each 1-stream
+    run, the server up and idle; the mean of a server's probes joins its 1-stream summary as
+    `bandwidth_gb_s` and `matmul_peak_gflop_s`, the machine those runs had. A guest's memory
+    bandwidth can change by half within a minute and back (33 and 59 GB/s on one guest, the
+    1-stream TPOT following it): a bound measured minutes away from the run held it to another
+    machine.
+
     Never two servers up at once: an idle raypd keeps a dozen Ray processes that wake on timers
     (~15% of a core together), and beside it vLLM's real-size decode step took 164 ms instead of
     118 (raypd's 153 instead of 141 beside an idle vLLM): the runs measured the neighbour too."""
     samples: dict[str, dict[int, tuple[list[Sample], float]]] = {
         e: {s: ([], 0.0) for s in args.streams} for e in servers
     }
+    probes: dict[str, list[Measured]] = {e: [] for e in servers}
     for _ in range(args.rounds):
         for engine, up in servers.items():
             with up() as url:
@@ -222,10 +238,22 @@ def served_alone(
                     count = max(streams * args.requests_per_stream, min_requests)
                     prompts = prompts_for(streams, count, args.prompt_len, 1)
                     settle()
+                    bracket = probe is not None and streams == 1
+                    if bracket:
+                        probes[engine].append(probe())
                     got, wall = asyncio.run(drive(url, model, prompts, streams, args.max_tokens))
+                    if bracket:
+                        probes[engine].append(probe())
                     prev, prev_wall = samples[engine][streams]
                     samples[engine][streams] = (prev + got, prev_wall + wall)
-    return {e: {s: summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
+    out = {e: {s: summary(*v) for s, v in by_streams.items()} for e, by_streams in samples.items()}
+    for engine, measured in probes.items():
+        if measured:
+            out[engine][1] |= {
+                "bandwidth_gb_s": statistics.fmean(m.bandwidth_bytes_s for m in measured) / 1e9,
+                "matmul_peak_gflop_s": statistics.fmean(m.matmul_peak_flops for m in measured) / 1e9,
+            }
+    return out
 
 
 def summary(samples: list[Sample], wall: float) -> dict[str, float]:

@@ -11,8 +11,8 @@ threads, one server up at a time on a quiet machine as in bench.peers (whose hel
   streams: output tok/s, TTFT p50, TPOT p50;
 - offline: greedy generation at batch 1 and 16 (bench/raypd_offline.py, bench/vllm_offline.py),
   whose outputs give the engines' greedy agreement;
-- the roofline (bench/machine.py, measured before and after each model's runs on the same
-  cores and threads, the better of the two):
+- the roofline (bench/machine.py, measured on the same cores and threads right before and
+  right after each engine's 1-stream run, the mean of those: `served_alone`'s probe):
   TPOT at 1 stream over (weight bytes a decode step reads / memory read bandwidth), and TTFT
   of a prompt at 1 stream over (its FLOPs / fp32 matmul peak). 1.0 is the physical limit.
 
@@ -34,18 +34,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.machine import Measured, cpu_flags, cpu_line, measure, model_cost
+from bench.machine import cpu_flags, cpu_line, measure, model_cost
 from bench.peer_models import REAL_BUILDERS, VLLM_REFUSES, make_real
-from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_colocated, settle
+from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_colocated
 
 BATCHES = (1, 16)
 ENGINES = ("raypd", "vllm")
-
-
-def _measure(nbytes: int, threads: int) -> Measured:
-    """bench.machine's two measurements on a quiet machine, on the engines' cores."""
-    settle()
-    return measure(nbytes, threads)
 
 
 def _tok_s(runs: list[Run]) -> float:
@@ -61,7 +55,6 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
     print(f"== real {kind}: {params / 1e6:.1f}M parameters at {model}; engines {', '.join(names)}", flush=True)
     if kind in VLLM_REFUSES:
         print(f"   vLLM not run: {VLLM_REFUSES[kind]}", flush=True)
-    before = _measure(cost.weight_bytes_per_token, args.threads)
     row: dict[str, Any] = {
         "model": kind,
         "params_m": round(params / 1e6, 1),
@@ -76,29 +69,26 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
             row[f"offline_b{b}"]["greedy_agreement"] = round(
                 agreement(runs["raypd"][b][0][1], runs["vllm"][b][0][1]), 4
             )
-    served = served_colocated(model, kind, args, work, names)
+    served = served_colocated(
+        model, kind, args, work, names, probe=lambda: measure(cost.weight_bytes_per_token, args.threads)
+    )
     for s in args.streams:
         row[f"served_c{s}"] = {e: {k: round(v, 2) for k, v in served[e][s].items()} for e in names}
-    after = _measure(cost.weight_bytes_per_token, args.threads)
-    # The better of the two: a measurement that a stray process slowed would lower the bound.
-    bandwidth = max(before.bandwidth_bytes_s, after.bandwidth_bytes_s)
-    peak = max(before.matmul_peak_flops, after.matmul_peak_flops)
-    row |= {
-        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
-        "matmul_peak_gflop_s": round(peak / 1e9, 1),
-        "tpot_bound_ms": round(1e3 * cost.tpot_bound_s(bandwidth), 1),
-        "ttft_bound_ms": round(1e3 * cost.ttft_bound_s(args.prompt_len, peak), 1),
-    }
     row["roofline"] = {e: roofline(row, e) for e in names}
     return row
 
 
 def roofline(row: dict[str, Any], engine: str) -> dict[str, float]:
-    """Engine's TPOT and TTFT p50 at 1 stream over the model's bounds on this machine."""
+    """Engine's TPOT and TTFT p50 at 1 stream over the model's bounds on the machine measured
+    around those runs (`bandwidth_gb_s`, `matmul_peak_gflop_s` of its 1-stream summary)."""
     one = row["served_c1"][engine]
+    tpot_bound_ms = row["weight_bytes_per_token"] / one["bandwidth_gb_s"] / 1e6
+    ttft_bound_ms = 1e3 * row["prompt_gflop"] / one["matmul_peak_gflop_s"]
     return {
-        "tpot_ratio": round(one["tpot_p50_ms"] / row["tpot_bound_ms"], 3),
-        "ttft_ratio": round(one["ttft_p50_ms"] / row["ttft_bound_ms"], 3),
+        "tpot_ratio": round(one["tpot_p50_ms"] / tpot_bound_ms, 3),
+        "ttft_ratio": round(one["ttft_p50_ms"] / ttft_bound_ms, 3),
+        "tpot_bound_ms": round(tpot_bound_ms, 1),
+        "ttft_bound_ms": round(ttft_bound_ms, 1),
     }
 
 
@@ -156,7 +146,7 @@ def headline(rows: list[dict[str, Any]], streams: list[int]) -> dict[str, Any]:
                 out[f"{m}_raypd_b{b}_tok_s"] = off["raypd_tok_s"]
         for engine, ratios in r["roofline"].items():
             suffix = "" if engine == "raypd" else f"_{engine}"
-            out |= {f"{m}_{k.split('_')[0]}_roofline{suffix}": v for k, v in ratios.items()}
+            out |= {f"{m}_{k}_roofline{suffix}": ratios[f"{k}_ratio"] for k in ("tpot", "ttft")}
         if both:
             out[f"{m}_greedy_agreement"] = min(r[f"offline_b{b}"]["greedy_agreement"] for b in BATCHES)
         else:
@@ -186,11 +176,13 @@ def main() -> None:
     print("\n".join(table(rows, args.streams)))
     for r in rows:
         for engine, ratios in r["roofline"].items():
+            one = r["served_c1"][engine]
             print(
                 f"roofline {r['model']:6s} {engine:5s}: TPOT / bound {ratios['tpot_ratio']:.2f} "
-                f"(bound {r['tpot_bound_ms']:.0f} ms: {r['weight_bytes_per_token'] / 1e9:.2f} GB at "
-                f"{r['bandwidth_gb_s']:.1f} GB/s), TTFT / bound {ratios['ttft_ratio']:.2f} "
-                f"(bound {r['ttft_bound_ms']:.0f} ms: {r['prompt_gflop']:.1f} GFLOP at {r['matmul_peak_gflop_s']:.0f} GFLOP/s)"
+                f"(bound {ratios['tpot_bound_ms']:.0f} ms: {r['weight_bytes_per_token'] / 1e9:.2f} GB at "
+                f"{one['bandwidth_gb_s']:.1f} GB/s), TTFT / bound {ratios['ttft_ratio']:.2f} "
+                f"(bound {ratios['ttft_bound_ms']:.0f} ms: {r['prompt_gflop']:.1f} GFLOP at "
+                f"{one['matmul_peak_gflop_s']:.0f} GFLOP/s)"
             )
     for r in rows:
         if "greedy_agreement" in r["offline_b1"]:
