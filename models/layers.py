@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels.cpu import ops as cpu_kernels
+from kernels.cpu.huge_pages import collapse
 from kernels.cpu.onednn_panels import panels_of
 from models.tensor_parallel import SINGLE, TPGroup
 
@@ -126,6 +127,16 @@ def pack_linears(model: nn.Module) -> None:
         weight = module.weight if isinstance(module, Linear) else None
         if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             module.pack(keep_weight=uses[id(weight)] > 1)
+
+
+def collapse_panels(model: nn.Module) -> int:
+    """Move the panels the few-row kernel streams onto huge pages (kernels/cpu/huge_pages.py);
+    the bytes moved, 0 where the kernel gives none."""
+    return sum(
+        collapse(module.panels)
+        for module in model.modules()
+        if isinstance(module, Linear) and module.panels is not None
+    )
 
 
 def panel_fallbacks(model: nn.Module) -> list[str]:

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from models.config import ConfigError, ModelConfig
-from models.layers import pack_linears, stack_projections
+from models.layers import collapse_panels, pack_linears, stack_projections
 from models.model_files import ModelLoadError, load_chat_template, load_config, load_generation_config, read_json
 from models.nemotron_h import NemotronHForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
@@ -178,6 +178,8 @@ def load_model(
     model = model.to(dtype=dtype or getattr(torch, cfg.dtype), device=device).eval()
     stack_projections(model)
     pack_linears(model)
+    if moved := collapse_panels(model):
+        log.info("%s: %.2f GB of decode weights on 2 MiB pages", path, moved / 1e9)
     generation, eos = load_generation_config(path, cfg)
     template = load_chat_template(path).template
     return LoadedModel(model, local, tokenizer, eos, generation, template, tuple(skipped))
