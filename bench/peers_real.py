@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.machine import cpu_flags, cpu_line, measure, model_cost
+from bench.machine import ModelCost, cpu_flags, cpu_line, measure, model_cost
 from bench.peer_models import REAL_BUILDERS, VLLM_REFUSES, make_real
 from bench.peers import Run, add_run_args, agreement, check_run_args, offline_runs, served_colocated
 
@@ -74,16 +74,16 @@ def bench_model(kind: str, args: argparse.Namespace, work: Path) -> dict[str, An
     )
     for s in args.streams:
         row[f"served_c{s}"] = {e: {k: round(v, 2) for k, v in served[e][s].items()} for e in names}
-    row["roofline"] = {e: roofline(row, e) for e in names}
+    row["roofline"] = {e: roofline(row, e, cost, args.prompt_len) for e in names}
     return row
 
 
-def roofline(row: dict[str, Any], engine: str) -> dict[str, float]:
+def roofline(row: dict[str, Any], engine: str, cost: ModelCost, prompt_len: int) -> dict[str, float]:
     """Engine's TPOT and TTFT p50 at 1 stream over the model's bounds on the machine measured
     around those runs (`bandwidth_gb_s`, `matmul_peak_gflop_s` of its 1-stream summary)."""
     one = row["served_c1"][engine]
-    tpot_bound_ms = row["weight_bytes_per_token"] / one["bandwidth_gb_s"] / 1e6
-    ttft_bound_ms = 1e3 * row["prompt_gflop"] / one["matmul_peak_gflop_s"]
+    tpot_bound_ms = 1e3 * cost.tpot_bound_s(one["bandwidth_gb_s"] * 1e9)
+    ttft_bound_ms = 1e3 * cost.ttft_bound_s(prompt_len, one["matmul_peak_gflop_s"] * 1e9)
     return {
         "tpot_ratio": round(one["tpot_p50_ms"] / tpot_bound_ms, 3),
         "ttft_ratio": round(one["ttft_p50_ms"] / ttft_bound_ms, 3),

@@ -3,7 +3,7 @@ ratios) and the table, for a model both engines ran and one only raypd ran."""
 
 from __future__ import annotations
 
-from bench.machine import FLAGS
+from bench.machine import FLAGS, ModelCost
 from bench.peers_real import headline, roofline, table
 
 
@@ -12,7 +12,7 @@ def _served(tok_s: float, ttft: float, tpot: float, **machine: float) -> dict[st
 
 
 def _row(model: str, engines: list[str]) -> dict:
-    # 2 GB a token and 100 GFLOP a prompt; raypd's 1-stream run had 10 GB/s and 200 GFLOP/s
+    # 2 GB a token and 100 GFLOP a prompt (of one token); raypd's 1-stream run had 10 GB/s and 200 GFLOP/s
     # (bounds 200 and 500 ms), vLLM's, measured around its own, 20 GB/s and 100 GFLOP/s.
     row: dict = {
         "model": model,
@@ -32,7 +32,8 @@ def _row(model: str, engines: list[str]) -> dict:
             del row[key]["vllm"]
         for key in ("offline_b1", "offline_b16"):
             row[key] = {"raypd_tok_s": row[key]["raypd_tok_s"]}
-    row["roofline"] = {e: roofline(row, e) for e in engines}
+    cost = ModelCost(2_000_000_000, 50_000_000_000, 0, 0, 0)
+    row["roofline"] = {e: roofline(row, e, cost, 1) for e in engines}
     return row
 
 
