@@ -20,7 +20,8 @@ import mmap
 
 import torch
 
-HUGE_PAGE = 2 << 20
+from kernels.cpu.huge_pages import HUGE_PAGE
+
 # Linux only; elsewhere the memory stays ordinary.
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
